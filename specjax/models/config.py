@@ -1,0 +1,150 @@
+"""Configuration of the target decoder (Llama and Qwen3 families)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Frequency rescaling applied to RoPE's inverse frequencies (HF `rope_scaling`)."""
+
+    kind: str
+    """`"linear"` (divide every frequency by `factor`) or `"llama3"` (Llama-3.1's banded rescaling)."""
+    factor: float
+    """Context extension factor."""
+    low_freq_factor: float = 1.0
+    """llama3 only: wavelengths longer than original_max / low_freq_factor are fully rescaled."""
+    high_freq_factor: float = 4.0
+    """llama3 only: wavelengths shorter than original_max / high_freq_factor are left alone."""
+    original_max_position_embeddings: int = 8192
+    """llama3 only: the context length the model was pretrained at."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Shape and numerics of a decoder-only transformer. Hashable, so it can be a static jit argument."""
+
+    vocab_size: int
+    """Number of rows of the token embedding (and columns of the LM head)."""
+    hidden_size: int
+    """Model width d."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (grouped-query attention); must divide num_heads."""
+    head_dim: int
+    """Width of one attention head."""
+    intermediate_size: int
+    """Hidden width of the SwiGLU MLP."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """Optional RoPE frequency rescaling."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over head_dim applied to queries and keys before RoPE."""
+    attention_bias: bool = False
+    """Bias on the q/k/v/o projections (Llama option)."""
+    mlp_bias: bool = False
+    """Bias on the MLP projections (Llama option)."""
+    tie_word_embeddings: bool = True
+    """LM head shares the token embedding matrix."""
+    max_position_embeddings: int = 8192
+    """Longest context the model supports; generation beyond it is refused."""
+    architecture: str = "LlamaForCausalLM"
+    """HF architecture name, kept for error messages and for saving."""
+    dtype: str = "float32"
+    """Compute dtype of activations. float32 is the fast choice on CPU."""
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads that share one key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
+        """Bytes of K and V cache one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json an HF model of this shape would have."""
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": "qwen3" if self.architecture == "Qwen3ForCausalLM" else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+        }
+        if self.architecture == "LlamaForCausalLM":
+            out["mlp_bias"] = self.mlp_bias
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            out["rope_scaling"] = {
+                "rope_type": rs.kind,
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+            }
+        return out
+
+
+def rope_inverse_frequencies(config: TransformerConfig) -> "list[float]":
+    """RoPE inverse frequencies (length head_dim / 2), with rope_scaling applied."""
+    half = config.head_dim // 2
+    inv = [1.0 / (config.rope_theta ** (2 * i / config.head_dim)) for i in range(half)]
+    rs = config.rope_scaling
+    if rs is None:
+        return inv
+    if rs.kind == "linear":
+        return [f / rs.factor for f in inv]
+    if rs.kind == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / rs.factor)
+            else:
+                smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+                    rs.high_freq_factor - rs.low_freq_factor
+                )
+                out.append((1 - smooth) * f / rs.factor + smooth * f)
+        return out
+    raise ValueError(f"unsupported rope_scaling kind {rs.kind!r}; supported: linear, llama3")

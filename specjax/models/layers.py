@@ -1,0 +1,89 @@
+"""Building blocks shared by the target and the drafters: RMSNorm, RoPE, GQA attention, SwiGLU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from specjax.models.config import TransformerConfig, rope_inverse_frequencies
+
+# Finite, so a fully masked row gives a uniform softmax over garbage instead of NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # HF casts back to the input dtype before multiplying by the weight; matching that order
+        # keeps bf16 runs bit-compatible with the reference.
+        return scale.astype(self.dtype) * normed.astype(self.dtype)
+
+
+def rope_tables(config: TransformerConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for rotate-half RoPE. positions: [B, T] -> two arrays [B, T, D/2]."""
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config), jnp.float32)  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF layout). x: [B, T, N, D]; cos, sin: [B, T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, D/2]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_mask(write_index: jax.Array, num_new: int, max_length: int, block_mask: jax.Array | None):
+    """Which cache slots each new token may attend to. Returns [B, T, S] bool.
+
+    Slots before write_index[b] hold committed tokens and are always visible. The T new tokens sit at
+    slots write_index[b] .. write_index[b]+T-1; among them the default is causal, and `block_mask`
+    ([B, T, T], query x key within the new tokens) replaces that rule, e.g. with a tree's ancestor mask.
+    Slots past the new tokens are never visible.
+    """
+    slots = jnp.arange(max_length, dtype=jnp.int32)  # [S]
+    rel = slots[None, :] - write_index[:, None]  # [B, S]  slot offset inside the new block
+    committed = (rel < 0)[:, None, :]  # [B, 1, S]
+    if block_mask is None:
+        query = jnp.arange(num_new, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+        return committed | ((rel[:, None, :] >= 0) & (rel[:, None, :] <= query))
+    in_block = (rel >= 0) & (rel < num_new)  # [B, S]
+    gathered = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (rel.shape[0], num_new, max_length)), axis=2
+    )  # [B, T, S]
+    return committed | (in_block[:, None, :] & gathered)
+
+
+def grouped_query_attention(q, k, v, mask):
+    """q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] -> [B, T, H, D]."""
+    batch, num_new, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+    return out.reshape(batch, num_new, num_heads, head_dim)
+
+
+class SwiGLU(nn.Module):
+    intermediate_size: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, name=name)
+        hidden = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
+        return dense(x.shape[-1], "down_proj")(hidden)

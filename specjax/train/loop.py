@@ -1,0 +1,218 @@
+"""A generic training loop: one jitted step with donated state, optax, orbax checkpoints, exact resume.
+
+Resume is exact because nothing the loop consumes depends on history: the batch for step i and the
+step's dropout/noise key are pure functions of (seed, i), and the optimizer state is checkpointed
+with the params. A run killed after a checkpoint and resumed therefore replays the same losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0."""
+    total_steps: int = 2000
+    """Length of the cosine schedule; the rate ends at min_lr_ratio * learning_rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    b1: float = 0.9
+    """Adam first-moment decay."""
+    b2: float = 0.95
+    """Adam second-moment decay."""
+    clip_norm: float = 1.0
+    """Global gradient-norm clip."""
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=max(cfg.warmup_steps, 1),
+        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    def decay_mask(params):
+        # Norm scales and biases are 1-D; decaying them towards 0 only hurts.
+        return jax.tree.map(lambda p: p.ndim > 1, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """How long to train and how often to log, evaluate and checkpoint."""
+
+    steps: int = 2000
+    """Train until this global step (a resumed run continues up to it)."""
+    seed: int = 0
+    """Seeds the data order and every per-step random key."""
+    log_every: int = 10
+    """Write train metrics every this many steps."""
+    eval_every: int = 200
+    """Run the evaluation function every this many steps (0: never)."""
+    checkpoint_every: int = 200
+    """Save an orbax checkpoint every this many steps (and always at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints orbax keeps."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    """[] int32: optimizer steps taken."""
+    params: Any
+    opt_state: Any
+
+
+class MetricsWriter:
+    """Metrics to `metrics.jsonl` (one object per line) and TensorBoard event files side by side."""
+
+    def __init__(self, out_dir: Path, resume_step: int = 0):
+        from tensorboardX import SummaryWriter
+
+        self.path = out_dir / "metrics.jsonl"
+        if self.path.exists():
+            # A resumed run replays the steps after its checkpoint; drop their old lines so each step
+            # appears once.
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a")
+        self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for key, value in metrics.items():
+            self.tb.add_scalar(key, float(value), int(step))
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def train(
+    loss_fn: Callable[[Any, Any, jax.Array], tuple[jax.Array, dict]],
+    init_params: Any,
+    batch_fn: Callable[[int], Any],
+    out_dir: str | Path,
+    optimizer: OptimizerConfig = OptimizerConfig(),
+    loop: LoopConfig = LoopConfig(),
+    eval_fn: Callable[[Any], dict[str, float]] | None = None,
+) -> tuple[Any, list[float]]:
+    """Train `init_params` to minimise loss_fn(params, batch, rng) -> (loss, aux metrics).
+
+    batch_fn(step) must be a pure function of the step so that resuming is exact. Resumes
+    automatically from the latest checkpoint in out_dir/checkpoints. Returns (params, losses of the
+    steps run in this call).
+    """
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tx = make_optimizer(optimizer)
+    schedule = make_schedule(optimizer)
+    state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
+
+    manager = ocp.CheckpointManager(
+        out_dir / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=loop.keep_checkpoints, create=True),
+    )
+    start = 0
+    if manager.latest_step() is not None:
+        start = int(manager.latest_step())
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_dict(state))
+        try:
+            restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:
+            raise SpecjaxError(
+                f"cannot resume from {out_dir / 'checkpoints'} step {start}: {e}. "
+                "Was it written by a run with a different model or optimizer config?"
+            ) from None
+        state = TrainState(step=restored["step"], params=restored["params"], opt_state=restored["opt_state"])
+
+    def train_step(state: TrainState, batch, rng):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    # Donating the old state lets XLA update params and moments in place.
+    train_step = jax.jit(train_step, donate_argnums=(0,))
+
+    writer = MetricsWriter(out_dir, resume_step=start)
+    base_key = jax.random.key(loop.seed)
+    losses: list[float] = []
+    bar = tqdm(total=loop.steps, initial=start, desc="train", disable=not loop.progress, dynamic_ncols=True)
+    started = time.perf_counter()
+    try:
+        for step in range(start, loop.steps):
+            batch = batch_fn(step)
+            state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))
+            done = step + 1
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                raise SpecjaxError(f"loss became {loss} at step {done}; lower the learning rate")
+            losses.append(loss)
+            bar.update(1)
+            if done % loop.log_every == 0 or done == loop.steps:
+                record = {k: float(v) for k, v in metrics.items()}
+                record["learning_rate"] = float(schedule(step))
+                record["elapsed_s"] = time.perf_counter() - started
+                writer.write(done, record)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            if eval_fn is not None and loop.eval_every and (done % loop.eval_every == 0 or done == loop.steps):
+                writer.write(done, {f"eval/{k}": v for k, v in eval_fn(state.params).items()})
+            if done % loop.checkpoint_every == 0 or done == loop.steps:
+                manager.save(done, args=ocp.args.StandardSave(_as_dict(state)))
+        manager.wait_until_finished()
+    finally:
+        bar.close()
+        writer.close()
+        manager.close()
+    return state.params, losses
+
+
+def _as_dict(state: TrainState) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
