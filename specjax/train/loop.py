@@ -45,6 +45,11 @@ class OptimizerConfig:
     """Global gradient-norm clip."""
 
 
+def _global_norm(tree) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -171,7 +176,7 @@ def train(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     # Donating the old state lets XLA update params and moments in place.

