@@ -59,9 +59,23 @@ def cmd_generate(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model = load_model(args.model)
     prompts, _ = _prompt_token_lists(args, model)
-    result = Engine(model).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
-                                    ignore_eos=args.ignore_eos, method=args.method)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
+    # Readable output for a single text prompt is streamed a chunk of tokens at a time.
+    stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
+    printed = [""]
+
+    def show(rows: list[list[int]]) -> None:
+        text = decode(rows[0])
+        # A chunk can end inside a multi-byte character; hold back the replacement char until it completes.
+        text = text.rstrip("\ufffd")
+        if text.startswith(printed[0]):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    result = Engine(model).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
+                                    ignore_eos=args.ignore_eos, method=args.method,
+                                    on_tokens=show if stream else None, stream_every=16)
     texts = [decode(t) for t in result.tokens]
     if args.json:
         single = len(prompts) == 1
@@ -73,10 +87,14 @@ def cmd_generate(args) -> int:
         }
         print(json.dumps(out))
         return 0
-    for i, (ids, text) in enumerate(zip(result.tokens, texts)):
-        if len(prompts) > 1:
-            print(f"--- prompt {i} ---")
-        print(text if text is not None else " ".join(map(str, ids)), flush=True)
+    if stream:
+        sys.stdout.write(texts[0][len(printed[0]):] + "\n")
+        sys.stdout.flush()
+    else:
+        for i, (ids, text) in enumerate(zip(result.tokens, texts)):
+            if len(prompts) > 1:
+                print(f"--- prompt {i} ---")
+            print(text if text is not None else " ".join(map(str, ids)), flush=True)
     s = result.stats
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)

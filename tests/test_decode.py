@@ -134,3 +134,14 @@ def test_bad_sampling_settings_are_refused():
     for kwargs, match in (({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")):
         with pytest.raises(SpecjaxError, match=match):
             SamplingConfig(**kwargs)
+
+
+def test_streaming_in_chunks_gives_the_same_tokens(tiny_model):
+    engine = Engine(tiny_model)
+    whole = engine.generate([[1, 2, 3], [4]], 20, SamplingConfig(temperature=1.0), seed=5, ignore_eos=True)
+    seen = []
+    streamed = engine.generate([[1, 2, 3], [4]], 20, SamplingConfig(temperature=1.0), seed=5, ignore_eos=True,
+                               on_tokens=seen.append, stream_every=6)
+    assert streamed.tokens == whole.tokens
+    assert [len(rows[0]) for rows in seen] == [7, 13, 19, 20]  # first token comes from the prefill
+    assert all(rows[0] == whole.tokens[0][: len(rows[0])] for rows in seen)

@@ -49,43 +49,54 @@ def prefill(params, config: TransformerConfig, prompt_tokens, prompt_lengths, ca
     return out.logits[:, 0], out.cache, out.hidden
 
 
-@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length"))
-def generate_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, config: TransformerConfig,
-                            sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...],
-                            cache_length: int):
-    """Generate up to max_new_tokens per row. Returns (tokens [B, N], num_generated [B]).
+def _eos_array(eos_token_ids: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(eos_token_ids or (-1,), jnp.int32)
 
-    eos_token_ids=() runs every row to max_new_tokens (ignore_eos).
-    """
+
+@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length"))
+def start_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, config: TransformerConfig,
+                         sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...],
+                         cache_length: int) -> DecodeState:
+    """Prefill and sample the first token of every row. eos_token_ids=() never stops (ignore_eos)."""
     batch = prompt_tokens.shape[0]
-    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
     rng, first_rng = jax.random.split(rng)
     logits, cache, _ = prefill(params, config, prompt_tokens, prompt_lengths, cache_length)
     first = sample(logits, first_rng, sampling)  # [B]
-    tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    state = DecodeState(
+    return DecodeState(
         step=jnp.int32(1),
-        tokens=tokens,
+        tokens=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
         num_generated=jnp.ones((batch,), jnp.int32),
         last_token=first,
         lengths=prompt_lengths.astype(jnp.int32),
-        done=jnp.isin(first, eos),
+        done=jnp.isin(first, _eos_array(eos_token_ids)),
         cache=cache,
         rng=rng,
     )
 
+
+@partial(jax.jit, static_argnames=("config", "sampling", "eos_token_ids"), donate_argnames=("state",))
+def continue_autoregressive(params, state: DecodeState, until_step, *, config: TransformerConfig,
+                            sampling: SamplingConfig, eos_token_ids: tuple[int, ...]) -> DecodeState:
+    """Decode inside one while_loop until `until_step` tokens per row exist or every row is done.
+
+    until_step is a traced value, so one executable serves any number of chunks: a caller that
+    streams text runs it a chunk at a time, a caller that does not runs it once to the end.
+    """
+    eos = _eos_array(eos_token_ids)
+    max_new_tokens = state.tokens.shape[1]
+    until_step = jnp.minimum(until_step, max_new_tokens)
+
     def keep_going(s: DecodeState):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < until_step) & ~jnp.all(s.done)
 
     def one_token(s: DecodeState):
         rng, step_rng = jax.random.split(s.rng)
         out = forward(params, config, s.last_token[:, None], s.lengths[:, None], s.cache, s.lengths)
         token = sample(out.logits[:, 0], step_rng, sampling)  # [B]
         live = ~s.done
-        tokens = s.tokens.at[:, s.step].set(jnp.where(live, token, 0))
         return DecodeState(
             step=s.step + 1,
-            tokens=tokens,
+            tokens=s.tokens.at[:, s.step].set(jnp.where(live, token, 0)),
             num_generated=s.num_generated + live.astype(jnp.int32),
             last_token=token,
             # Finished rows stop advancing so they can never run past the cache.
@@ -95,5 +106,17 @@ def generate_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, confi
             rng=rng,
         )
 
-    final = jax.lax.while_loop(keep_going, one_token, state)
-    return final.tokens, final.num_generated
+    return jax.lax.while_loop(keep_going, one_token, state)
+
+
+@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length"))
+def generate_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, config: TransformerConfig,
+                            sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...],
+                            cache_length: int):
+    """Prefill + decode loop as one executable. Returns (tokens [B, N], num_generated [B])."""
+    state = start_autoregressive(params, prompt_tokens, prompt_lengths, rng, config=config, sampling=sampling,
+                                 max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                 cache_length=cache_length)
+    state = continue_autoregressive(params, state, max_new_tokens, config=config, sampling=sampling,
+                                    eos_token_ids=eos_token_ids)
+    return state.tokens, state.num_generated

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode.autoregressive import generate_autoregressive
+from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
 from specjax.errors import SpecjaxError
 from specjax.io.registry import LoadedModel
@@ -46,6 +46,7 @@ class DecodeRequestShape:
     max_new_tokens: int
     sampling: SamplingConfig
     eos_token_ids: tuple[int, ...]
+    streaming: bool
 
 
 class Engine:
@@ -78,7 +79,14 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
-                 method: str = "ar") -> GenerationResult:
+                 method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
+                 stream_every: int = 8) -> GenerationResult:
+        """Decode a batch of token-id prompts.
+
+        on_tokens, if given, is called with every row's tokens so far after each `stream_every`
+        tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
+        can show text as it appears. Without it the whole request is one device call.
+        """
         if method not in METHODS:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         self.validate(prompts, max_new_tokens)
@@ -93,6 +101,7 @@ class Engine:
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
+            streaming=on_tokens is not None,
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
@@ -100,16 +109,32 @@ class Engine:
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
 
+        statics = dict(config=self.model.config, sampling=sampling, eos_token_ids=shape.eos_token_ids)
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
-            self._compiled[shape] = generate_autoregressive.lower(
-                *args, config=self.model.config, sampling=sampling, max_new_tokens=max_new_tokens,
-                eos_token_ids=shape.eos_token_ids, cache_length=shape.cache_length,
-            ).compile()
+            sized = dict(statics, max_new_tokens=max_new_tokens, cache_length=shape.cache_length)
+            if shape.streaming:
+                first = start_autoregressive.lower(*args, **sized).compile()
+                state = jax.eval_shape(lambda: start_autoregressive(*args, **sized))
+                rest = continue_autoregressive.lower(args[0], state, jnp.int32(0), **statics).compile()
+                self._compiled[shape] = (first, rest)
+            else:
+                self._compiled[shape] = generate_autoregressive.lower(*args, **sized).compile()
             compile_s = time.perf_counter() - start
         start = time.perf_counter()
-        out_tokens, num_generated = jax.block_until_ready(self._compiled[shape](*args))
+        if shape.streaming:
+            first, rest = self._compiled[shape]
+            state = first(*args)
+            while True:
+                state = rest(args[0], state, state.step + stream_every)
+                counts = np.asarray(state.num_generated)
+                on_tokens([np.asarray(state.tokens)[i, : counts[i]].tolist() for i in range(len(prompts))])
+                if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):
+                    break
+            out_tokens, num_generated = state.tokens, state.num_generated
+        else:
+            out_tokens, num_generated = jax.block_until_ready(self._compiled[shape](*args))
         wall_s = time.perf_counter() - start
 
         out_tokens, num_generated = np.asarray(out_tokens), np.asarray(num_generated)
