@@ -24,18 +24,21 @@ def _read_prompt_file(path: str) -> list[str]:
     if not p.exists():
         raise SpecjaxError(f"--prompt-file {path}: file not found")
     text = p.read_text()
-    if p.suffix == ".json":
-        prompts = json.loads(text)
-        if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
-            raise SpecjaxError(f"{path}: a .json prompt file must hold a list of strings")
-        return prompts
-    if p.suffix == ".jsonl":
-        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    try:
+        if p.suffix == ".json":
+            prompts = json.loads(text)
+            if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
+                raise SpecjaxError(f"{path}: a .json prompt file must hold a list of strings")
+            return prompts
+        if p.suffix == ".jsonl":
+            return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecjaxError(f"{path}: cannot read prompts ({e!r}); .jsonl lines must be {{\"prompt\": \"...\"}}") from None
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _prompt_token_lists(args, model) -> tuple[list[list[int]], list[str] | None]:
-    """Token ids per prompt, and the prompt texts when prompts were text."""
+def _read_prompts(args) -> tuple[list[list[int]] | None, list[str] | None]:
+    """(token-id prompts, text prompts): exactly one is set. Checked before any model is loaded."""
     given = sum(x is not None for x in (args.prompt, args.prompt_ids, args.prompt_file))
     if given != 1:
         raise SpecjaxError("give exactly one of --prompt, --prompt-ids or --prompt-file")
@@ -44,11 +47,17 @@ def _prompt_token_lists(args, model) -> tuple[list[list[int]], list[str] | None]
     texts = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     if not texts or any(not t.strip() for t in texts):
         raise SpecjaxError("the prompt is empty")
+    return None, texts
+
+
+def _tokenize(ids: list[list[int]] | None, texts: list[str] | None, args, model) -> list[list[int]]:
+    if ids is not None:
+        return ids
     if model.tokenizer is None:
         raise SpecjaxError(f"{model.name} has no tokenizer; give token ids with --prompt-ids")
     if args.no_chat:
-        return [model.tokenizer.encode(t) for t in texts], texts
-    return [model.tokenizer.encode_chat(t) for t in texts], texts
+        return [model.tokenizer.encode(t) for t in texts]
+    return [model.tokenizer.encode_chat(t) for t in texts]
 
 
 def cmd_generate(args) -> int:
@@ -56,9 +65,14 @@ def cmd_generate(args) -> int:
     from specjax.decode.sampling import SamplingConfig
     from specjax.io.registry import load_model
 
+    from specjax.decode.engine import METHODS
+
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.method not in METHODS:
+        raise SpecjaxError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
+    ids, texts = _read_prompts(args)
     model = load_model(args.model)
-    prompts, _ = _prompt_token_lists(args, model)
+    prompts = _tokenize(ids, texts, args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
     stream = not args.json and len(prompts) == 1 and model.tokenizer is not None

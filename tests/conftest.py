@@ -7,7 +7,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 TINY_SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -42,6 +42,8 @@ def test_generate_is_deterministic_when_seeded(tiny_folder, capsys):
     first = _last_json(capsys)["tokens"]
     main(args)
     assert _last_json(capsys)["tokens"] == first
+    main([a if a != "3" else "4" for a in args])
+    assert _last_json(capsys)["tokens"] != first
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -49,6 +51,7 @@ def test_generate_is_deterministic_when_seeded(tiny_folder, capsys):
     (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["generate", "--prompt", "a", "--prompt-ids", "1"], "exactly one of"),
     (["generate", "--prompt-file", "/nonexistent.txt"], "file not found"),
+    (["generate", "--prompt-ids", "1", "--method", "beam"], "unknown method 'beam'"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
@@ -60,6 +63,14 @@ def test_text_prompt_without_tokenizer_is_refused(tiny_folder, capsys):
     assert "no tokenizer" in capsys.readouterr().err
 
 
+def test_bad_prompt_file_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    assert main(["generate", "--prompt-file", str(bad)]) == 2
+    assert "cannot read prompts" in capsys.readouterr().err
+
+
+@pytest.mark.network
 def test_generate_with_real_model_text_output(capsys):
     assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specjax.errors import SpecjaxError
-from specjax.io.gguf import load_gguf_model
+from specjax.io.gguf import _unpermute_rope, load_gguf_model
 from specjax.io.tokenizer import bytes_to_unicode
 from specjax.models.cache import KVCache
 from specjax.models.transformer import forward
@@ -89,9 +89,9 @@ def write_tiny_gguf(path, model, qtype_for):
             back = gguf.quants.dequantize(data, qtype).reshape(w_file.shape)
         # Undo the permutation to get what HF should hold.
         if name.endswith("q_proj.weight"):
-            back = _permute_inverse(back, cfg.num_attention_heads)
+            back = _unpermute_rope(back, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
-            back = _permute_inverse(back, cfg.num_key_value_heads)
+            back = _unpermute_rope(back, cfg.num_key_value_heads)
         decoded[name] = torch.from_numpy(np.ascontiguousarray(back))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -100,11 +100,7 @@ def write_tiny_gguf(path, model, qtype_for):
     return decoded
 
 
-def _permute_inverse(w, heads):
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -109,6 +109,35 @@ def test_sharded_checkpoint_and_untied_head(tmp_path):
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_bf16_checkpoint_loads(tmp_path):
+    model = build_tiny_hf("qwen3", seed=5)
+    with torch.no_grad():  # the reference holds exactly the bf16 values, computed in float32
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    build_tiny_hf("qwen3", seed=5).to(torch.bfloat16).save_pretrained(tmp_path)
+    config, params = load_hf_model(tmp_path)
+    ids = PROMPTS[0]
+    logits, _ = _specjax_logits(config, params, ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_and_defaults_from_config(tmp_path):
+    from specjax.io.hf import config_from_hf
+
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 8}
+    cfg = config_from_hf({**base, "rope_scaling": {"rope_type": "default"}})
+    assert cfg.rope_scaling is None and cfg.head_dim == 128 and cfg.max_position_embeddings == 32768
+    llama3 = config_from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}})
+    assert llama3.rope_theta == 5e5 and llama3.rope_scaling.kind == "llama3"
+    with pytest.raises(SpecjaxError, match="yarn"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(SpecjaxError, match="JSON object"):
+        config_from_hf([1, 2])
+
+
 def test_save_then_load_round_trips(tiny_hf, tmp_path):
     _, _, folder = tiny_hf
     config, params = load_hf_model(folder)

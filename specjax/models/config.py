@@ -73,11 +73,6 @@ class TransformerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads that share one key/value head."""
-        return self.num_heads // self.num_kv_heads
-
     def num_params(self) -> int:
         d, f = self.hidden_size, self.intermediate_size
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)

@@ -92,8 +92,11 @@ class Transformer(nn.Module):
 
     def project_logits(self, hidden):
         """Final norm + LM head. hidden: [B, N, d] (pre-norm) -> [B, N, V] float32."""
-        h = self.norm(hidden)
-        logits = self.embed_tokens.attend(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        return self.head_only(self.norm(hidden))
+
+    def head_only(self, normed):
+        """LM head without the final norm (drafters bring their own norm). [B, N, d] -> [B, N, V]."""
+        logits = self.embed_tokens.attend(normed) if self.config.tie_word_embeddings else self.lm_head(normed)
         return logits.astype(jnp.float32)
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
@@ -145,6 +148,6 @@ def embed_tokens(params, config: TransformerConfig, tokens):
     return Transformer(config).apply({"params": params}, tokens, method=Transformer.embed)
 
 
-def lm_head(params, config: TransformerConfig, hidden):
-    """Final norm + LM head, for drafters that share them. hidden: [B, N, d] -> [B, N, V]."""
-    return Transformer(config).apply({"params": params}, hidden, method=Transformer.project_logits)
+def lm_head(params, config: TransformerConfig, normed_hidden):
+    """The target's LM head alone, for drafters that share it. [B, N, d] -> [B, N, V] float32."""
+    return Transformer(config).apply({"params": params}, normed_hidden, method=Transformer.head_only)

@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 
@@ -43,11 +42,6 @@ class OptimizerConfig:
     """Adam second-moment decay."""
     clip_norm: float = 1.0
     """Global gradient-norm clip."""
-
-
-def _global_norm(tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -89,6 +83,13 @@ class LoopConfig:
     """How many recent checkpoints orbax keeps."""
     progress: bool = True
     """Show a tqdm progress bar."""
+
+    def __post_init__(self):
+        for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise SpecjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise SpecjaxError(f"eval_every must be >= 0, got {self.eval_every}")
 
 
 @struct.dataclass
@@ -176,7 +177,7 @@ def train(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": _global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     # Donating the old state lets XLA update params and moments in place.
@@ -218,6 +219,3 @@ def train(
 def _as_dict(state: TrainState) -> dict:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
-
-def param_count(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

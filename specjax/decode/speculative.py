@@ -1,0 +1,166 @@
+"""Chain speculative decoding with a block-diffusion drafter, as one jitted `lax.while_loop`.
+
+Each iteration: draft a block in one drafter pass -> verify [last, d_1..d_K] in one target pass ->
+accept n drafts plus one bonus/correction token per row -> advance each row's cache length by n+1.
+Rejected entries stay in the target cache and the drafter's context cache past the row's length,
+where attention never reads and the next step overwrites them; nothing goes back to the host.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.decode.autoregressive import prefill
+from specjax.decode.sampling import SamplingConfig, processed_logits, sample, target_probs
+from specjax.decode.verify import accept_greedy, accept_sampled
+from specjax.models.cache import KVCache, write_rows
+from specjax.models.config import TransformerConfig
+from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values, empty_context_cache
+from specjax.models.layers import attention_mask
+from specjax.models.transformer import embed_tokens, forward, lm_head
+
+
+@struct.dataclass
+class ChainState:
+    """What the speculative loop carries between verify steps."""
+
+    step: jax.Array
+    """[] int32: verify steps done."""
+    tokens: jax.Array
+    """[B, N + block] int32: committed generated tokens (slack of one block for the last write)."""
+    num_generated: jax.Array
+    """[B] int32: committed generated tokens per row, capped at N."""
+    last_token: jax.Array
+    """[B] int32: newest committed token, not yet in either cache."""
+    lengths: jax.Array
+    """[B] int32: tokens in the target cache == entries in the drafter's context cache."""
+    done: jax.Array
+    """[B] bool."""
+    target_cache: KVCache
+    context_cache: KVCache
+    """Drafter context K/V, one entry per committed token."""
+    rng: jax.Array
+    accepted_histogram: jax.Array
+    """[B, block] int32: verify steps that accepted n drafts, n = 0..block-1."""
+
+
+def draft_block(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                last_token, lengths, context_cache: KVCache):
+    """One drafter pass. Returns draft logits [B, K, V] for positions lengths+1 .. lengths+K (K = block-1)."""
+    batch, block = last_token.shape[0], drafter_config.block_size
+    slot = jnp.arange(block, dtype=jnp.int32)
+    is_mask = jnp.broadcast_to(slot > 0, (batch, block))  # [B, Bk]
+    fill = drafter_config.mask_token_id if drafter_config.mask_token_id is not None else 0
+    block_tokens = jnp.where(is_mask, fill, last_token[:, None])  # [B, Bk]
+    positions = lengths[:, None] + slot  # [B, Bk]
+    drafter = Drafter(drafter_config)
+    x = drafter.apply({"params": drafter_params}, embed_tokens(target_params, target_config, block_tokens), is_mask,
+                      method=Drafter.block_inputs)
+    mask = attention_mask(lengths, block, context_cache.max_length, jnp.ones((batch, block, block), bool))
+    h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
+                      lengths)  # [B, Bk, d]
+    return lm_head(target_params, target_config, h[:, 1:])  # [B, K, V]
+
+
+def append_context(drafter_params, drafter_config: DrafterConfig, context_cache: KVCache, features, positions,
+                   write_index) -> KVCache:
+    """Write drafter context K/V for features [B, T, taps, d] at slots write_index[b].."""
+    kv = context_keys_values(drafter_params, drafter_config, features, positions)
+    return KVCache(
+        keys=tuple(write_rows(c, k, write_index) for c, (k, _) in zip(context_cache.keys, kv)),
+        values=tuple(write_rows(c, v, write_index) for c, (_, v) in zip(context_cache.values, kv)),
+    )
+
+
+_STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length")
+
+
+@partial(jax.jit, static_argnames=_STATIC)
+def generate_chain(target_params, drafter_params, prompt_tokens, prompt_lengths, rng, *,
+                   target_config: TransformerConfig, drafter_config: DrafterConfig, sampling: SamplingConfig,
+                   max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int):
+    """Speculative generation. Returns (tokens [B, N], num_generated [B], accepted_histogram [B, block]).
+
+    cache_length must hold prompt + max_new_tokens + block slots.
+    """
+    batch, prompt_len = prompt_tokens.shape
+    block = drafter_config.block_size
+    taps = drafter_config.target_layer_ids
+    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
+    rng, first_rng = jax.random.split(rng)
+
+    logits, target_cache, features = prefill(target_params, target_config, prompt_tokens, prompt_lengths,
+                                             cache_length, hidden_layers=taps)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    context_cache = append_context(drafter_params, drafter_config, empty_context_cache(drafter_config, batch, cache_length),
+                                   features, positions, jnp.zeros((batch,), jnp.int32))
+    first = sample(logits, first_rng, sampling)
+    state = ChainState(
+        step=jnp.int32(0),
+        tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
+        num_generated=jnp.ones((batch,), jnp.int32),
+        last_token=first,
+        lengths=prompt_lengths.astype(jnp.int32),
+        done=jnp.isin(first, eos) | (max_new_tokens <= 1),
+        target_cache=target_cache,
+        context_cache=context_cache,
+        rng=rng,
+        accepted_histogram=jnp.zeros((batch, block), jnp.int32),
+    )
+
+    def keep_going(s: ChainState):
+        return ~jnp.all(s.done)
+
+    def one_step(s: ChainState):
+        rng, draft_rng, accept_rng = jax.random.split(s.rng, 3)
+        draft_logits = draft_block(target_params, target_config, drafter_params, drafter_config,
+                                   s.last_token, s.lengths, s.context_cache)  # [B, K, V]
+        if sampling.greedy:
+            draft = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)  # [B, K]
+        else:
+            q_logits = processed_logits(draft_logits, sampling)
+            draft = jax.random.categorical(draft_rng, q_logits, axis=-1).astype(jnp.int32)
+
+        verify_tokens = jnp.concatenate([s.last_token[:, None], draft], axis=1)  # [B, Bk]
+        verify_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
+        out = forward(target_params, target_config, verify_tokens, verify_positions, s.target_cache, s.lengths,
+                      hidden_layers=taps)  # logits [B, Bk, V], hidden [B, Bk, taps, d]
+        if sampling.greedy:
+            n, next_token = accept_greedy(draft, out.logits)
+        else:
+            n, next_token = accept_sampled(draft, jax.nn.softmax(q_logits, axis=-1),
+                                           target_probs(out.logits, sampling), accept_rng)
+
+        # Committed this step: d_1..d_n then next_token (n+1 tokens), written at num_generated.
+        slot = jnp.arange(block, dtype=jnp.int32)[None, :]
+        draft_shifted = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)  # [B, Bk]
+        new_tokens = jnp.where(slot < n[:, None], draft_shifted, next_token[:, None])
+        is_eos = jnp.isin(new_tokens, eos) & (slot <= n[:, None])
+        first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), block)
+        committed = jnp.minimum(n + 1, first_eos + 1)
+        live = ~s.done
+        tokens = jnp.where(live[:, None], write_rows(s.tokens, new_tokens, s.num_generated), s.tokens)
+        num_generated = jnp.minimum(s.num_generated + committed * live, max_new_tokens)
+        advance = (n + 1) * live
+        context_cache = append_context(drafter_params, drafter_config, s.context_cache, out.hidden,
+                                       verify_positions, s.lengths)
+        histogram = s.accepted_histogram + live[:, None] * (slot == n[:, None])
+        return ChainState(
+            step=s.step + 1,
+            tokens=tokens,
+            num_generated=num_generated,
+            last_token=next_token,
+            lengths=s.lengths + advance,
+            done=s.done | (live & (first_eos < block)) | (num_generated >= max_new_tokens),
+            target_cache=out.cache,
+            context_cache=context_cache,
+            rng=rng,
+            accepted_histogram=histogram,
+        )
+
+    final = jax.lax.while_loop(keep_going, one_step, state)
+    return final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram
