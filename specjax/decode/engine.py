@@ -17,10 +17,16 @@ import numpy as np
 
 from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
+from specjax.decode.speculative import draft_block, generate_chain
 from specjax.errors import SpecjaxError
+from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.registry import LoadedModel
+from specjax.models.drafter import empty_context_cache
+from specjax.models.cache import KVCache
+from specjax.models.transformer import forward
 
-METHODS = ("ar",)
+METHODS = ("ar", "chain")
+SPECULATIVE_METHODS = ("chain",)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -52,10 +58,14 @@ class DecodeRequestShape:
 class Engine:
     """Decodes with one model; keeps compiled executables between calls."""
 
-    def __init__(self, model: LoadedModel, prompt_bucket: int = 32):
+    def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, prompt_bucket: int = 32):
         self.model = model
+        self.drafter = drafter
+        if drafter is not None:
+            check_pair(drafter, model.config)
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
+        self._phase_costs: dict[DecodeRequestShape, tuple[float, float]] = {}
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
@@ -91,25 +101,31 @@ class Engine:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
         if method not in METHODS:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+        if method in SPECULATIVE_METHODS and self.drafter is None:
+            raise SpecjaxError(f"method {method!r} needs a drafter")
         self.validate(prompts, max_new_tokens)
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
+        # Speculative rows may write one block past their last committed token.
+        slack = self.drafter.config.block_size if method in SPECULATIVE_METHODS else 0
         shape = DecodeRequestShape(
             method=method,
             batch=len(prompts),
             prompt_bucket=bucket,
             # Rows stop advancing once done, so prompt + max_new slots always suffice.
-            cache_length=_round_up(bucket + max_new_tokens, 64),
+            cache_length=_round_up(bucket + max_new_tokens + slack, 64),
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
-            streaming=on_tokens is not None,
+            streaming=on_tokens is not None and method == "ar",
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
+        if method == "chain":
+            return self._generate_chain(shape, args)
 
         statics = dict(config=self.model.config, sampling=sampling, eos_token_ids=shape.eos_token_ids)
         compile_s = 0.0
@@ -150,3 +166,77 @@ class Engine:
             "new_tokens": new_tokens,
         }
         return GenerationResult(rows, stats)
+
+    def _generate_chain(self, shape: DecodeRequestShape, args) -> GenerationResult:
+        target_params, prompt_tokens, prompt_lengths, rng = args
+        full_args = (target_params, self.drafter.params, prompt_tokens, prompt_lengths, rng)
+        statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
+                       max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
+                       cache_length=shape.cache_length)
+        compile_s = 0.0
+        if shape not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[shape] = generate_chain.lower(*full_args, **statics).compile()
+            compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens, num_generated, histogram = jax.block_until_ready(self._compiled[shape](*full_args))
+        wall_s = time.perf_counter() - start
+        tokens, num_generated, histogram = np.asarray(tokens), np.asarray(num_generated), np.asarray(histogram)
+        rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
+        new_tokens = int(num_generated.sum())
+        steps = int(histogram.sum())  # verify steps summed over rows
+        lengths = np.arange(histogram.shape[1])
+        # tau: tokens committed per verify step (accepted drafts + the bonus/correction token).
+        tau = float((histogram * (lengths + 1)).sum() / steps) if steps else 0.0
+        # per_position_acceptance[k-1]: fraction of verify steps whose accepted run reached draft slot k.
+        reached = histogram.sum(0)[::-1].cumsum()[::-1]  # steps with n >= k, k = 0..K
+        per_position = (reached[1:] / steps).tolist() if steps else []
+        draft_cost, verify_cost = self._measure_phases(shape, full_args)
+        loop_steps = int(histogram.sum(1).max()) if steps else 0
+        stats = {
+            "method": "chain",
+            "tokens_per_s": new_tokens / wall_s,
+            "compile_s": compile_s,
+            "wall_s": wall_s,
+            "new_tokens": new_tokens,
+            "tau": tau,
+            "per_position_acceptance": per_position,
+            "accepted_length_histogram": histogram.sum(0).tolist(),
+            "verify_steps": loop_steps,
+            # The loop is one fused executable; the split is loop_steps x the median cost of the
+            # draft and verify passes timed alone at the same shapes.
+            "draft_s": loop_steps * draft_cost,
+            "verify_s": loop_steps * verify_cost,
+        }
+        return GenerationResult(rows, stats)
+
+    def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float]:
+        """Median seconds of one draft pass and one verify pass at this request's shapes (cached)."""
+        if shape in self._phase_costs:
+            return self._phase_costs[shape]
+        target_params, drafter_params, _, prompt_lengths, _ = full_args
+        tcfg, dcfg = self.model.config, self.drafter.config
+        batch, block = shape.batch, dcfg.block_size
+        context = empty_context_cache(dcfg, batch, shape.cache_length)
+        target_cache = KVCache.zeros(tcfg, batch, shape.cache_length)
+        last = jnp.zeros((batch,), jnp.int32)
+        verify_tokens = jnp.zeros((batch, block), jnp.int32)
+        positions = prompt_lengths[:, None] + jnp.arange(block)
+        # Params go in as arguments: closed-over arrays would be baked into the executable as constants.
+        draft_fn = jax.jit(lambda tp, dp, ctx: draft_block(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx))
+        verify_fn = jax.jit(lambda tp, cache: forward(tp, tcfg, verify_tokens, positions, cache, prompt_lengths,
+                                                      hidden_layers=dcfg.target_layer_ids))
+        draft = lambda: draft_fn(target_params, drafter_params, context)
+        verify = lambda: verify_fn(target_params, target_cache)
+
+        def median_time(fn):
+            jax.block_until_ready(fn())
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append(time.perf_counter() - start)
+            return float(np.median(times))
+
+        self._phase_costs[shape] = (median_time(draft), median_time(verify))
+        return self._phase_costs[shape]

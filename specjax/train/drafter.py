@@ -221,8 +221,8 @@ def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, 
     return loss, {"slot1_accuracy": slot1}
 
 
-def estimate_tau(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
-                 batch: dict) -> float:
+def estimate_tau_array(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
+                       batch: dict) -> jax.Array:
     """Held-out acceptance-length estimate under teacher forcing: for each anchor, 1 + the number of
     leading slots whose argmax equals the label (what greedy chain decoding would commit)."""
     logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
@@ -238,4 +238,40 @@ def estimate_tau(drafter_params, drafter_config: DrafterConfig, target_params, t
     match = (jnp.argmax(logits, -1) == labels) & valid
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)  # [b, A]
     usable = valid[..., 0]
-    return float(jnp.sum((accepted + 1) * usable) / jnp.maximum(jnp.sum(usable), 1))
+    return jnp.sum((accepted + 1) * usable) / jnp.maximum(jnp.sum(usable), 1)
+
+
+def train_drafter(target_params, target_config: TransformerConfig, drafter_config: DrafterConfig,
+                  data: DistillationSet, out_dir: str | Path, optimizer=None, loop=None,
+                  train_config: DrafterTrainConfig = DrafterTrainConfig(), heldout: DistillationSet | None = None,
+                  init_params=None):
+    """Train a drafter on a distillation set with the target frozen. Resumes from out_dir.
+
+    Logs loss, slot-1 accuracy and (with a held-out set) the teacher-forced acceptance-length
+    estimate `eval/tau_estimate`. Returns the trained drafter params.
+    """
+    from specjax.models.drafter import init_drafter_params
+    from specjax.train.loop import LoopConfig, OptimizerConfig, train
+
+    drafter_config.check_target(target_config)
+    if tuple(data.target_layer_ids) != tuple(drafter_config.target_layer_ids):
+        raise SpecjaxError(f"the distillation set holds target layers {data.target_layer_ids}, "
+                           f"the drafter taps {drafter_config.target_layer_ids}")
+    optimizer = optimizer or OptimizerConfig()
+    loop = loop or LoopConfig()
+    params = init_params if init_params is not None else init_drafter_params(drafter_config, jax.random.key(loop.seed))
+
+    def loss_fn(p, batch, rng):
+        return drafter_loss(p, batch, drafter_config=drafter_config, target_params=target_params,
+                            target_config=target_config, gamma=train_config.gamma)
+
+    block = drafter_config.block_size
+    batch_fn = lambda step: jax.tree.map(jnp.asarray, sample_drafter_batch(data, step, loop.seed, train_config, block))
+    eval_fn = None
+    if heldout is not None:
+        eval_batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config, block))
+                        for i in range(4)]
+        tau = jax.jit(lambda p, b: estimate_tau_array(p, drafter_config, target_params, target_config, b))
+        eval_fn = lambda p: {"tau_estimate": float(np.mean([tau(p, b) for b in eval_batches]))}
+    trained, _ = train(loss_fn, params, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
+    return trained

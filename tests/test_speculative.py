@@ -1,0 +1,189 @@
+"""Chain speculative decoding keeps the target's output exactly: token for token when greedy, in
+distribution when sampling. The drafter here is trained for a few seconds on the tiny target so
+that drafts are accepted often enough to exercise every branch of the acceptance rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import speculative
+from specjax.decode.engine import Engine
+from specjax.decode.sampling import SamplingConfig, target_probs
+from specjax.decode.verify import accept_greedy, accept_sampled, leading_true
+from specjax.errors import SpecjaxError
+from specjax.io.dflash import LoadedDrafter, check_pair, load_drafter, save_drafter
+from specjax.io.registry import LoadedModel
+from specjax.models.cache import KVCache
+from specjax.models.drafter import DrafterConfig, init_drafter_params
+from specjax.models.transformer import forward
+from specjax.train.drafter import DrafterTrainConfig, DistillationSet, build_distillation_set, train_drafter
+from specjax.train.loop import LoopConfig, OptimizerConfig
+
+from stats import chi_square_pvalue
+from test_decode import TINY, _scaled_params
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LoadedModel("tiny", TINY, _scaled_params(), tokenizer=None, eos_token_ids=(3,))
+
+
+def _distillation_set(target, folder, seed, n=48):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n)]
+    out = Engine(target).generate(prompts, 40, SamplingConfig(temperature=1.0), seed=seed, ignore_eos=True).tokens
+    taps = DrafterConfig.for_target(TINY, num_taps=2).target_layer_ids
+    return build_distillation_set(target.params, TINY, [(p + o, len(p)) for p, o in zip(prompts, out)], folder,
+                                  taps, seq_len=48, teacher_labels=True, progress=False)
+
+
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafter")
+    train_set, heldout = _distillation_set(target, root / "train", 0), _distillation_set(target, root / "heldout", 1, 8)
+    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=BLOCK, num_taps=2)
+    params = train_drafter(target.params, TINY, config, train_set, root / "run",
+                           OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=150),
+                           LoopConfig(steps=150, eval_every=150, checkpoint_every=150, progress=False),
+                           DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=16), heldout=heldout)
+    return LoadedDrafter("tiny-drafter", config, params, TINY.num_layers)
+
+
+PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
+
+
+def test_greedy_chain_equals_autoregressive(target, drafter):
+    engine = Engine(target, drafter)
+    ar = engine.generate(PROMPTS, 30, ignore_eos=True)
+    chain = engine.generate(PROMPTS, 30, ignore_eos=True, method="chain")
+    assert chain.tokens == ar.tokens
+    stats = chain.stats
+    assert stats["tau"] > 1.5, "the trained drafter should be accepted often"
+    assert len(stats["per_position_acceptance"]) == BLOCK - 1
+    assert all(a >= b for a, b in zip(stats["per_position_acceptance"], stats["per_position_acceptance"][1:]))
+    assert sum(stats["accepted_length_histogram"]) > 0
+    assert stats["draft_s"] > 0 and stats["verify_s"] > 0
+
+
+def test_greedy_chain_stops_at_eos_like_autoregressive(target, drafter):
+    engine = Engine(target, drafter)
+    free = engine.generate([PROMPTS[0]], 30, ignore_eos=True).tokens[0]
+    eos = free[7]
+    with_eos = LoadedModel("tiny", TINY, target.params, None, (eos,))
+    engine = Engine(with_eos, drafter)
+    assert engine.generate(PROMPTS, 30, method="chain").tokens == engine.generate(PROMPTS, 30).tokens
+
+
+@pytest.mark.parametrize("block", [2, 3])
+def test_greedy_equality_holds_for_other_block_sizes(target, drafter, block):
+    """A random drafter of another block size: rarely accepted, still exact."""
+    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=block, num_taps=2)
+    other = LoadedDrafter("random", config, init_drafter_params(config, jax.random.key(block)), TINY.num_layers)
+    engine = Engine(target, other)
+    assert engine.generate(PROMPTS, 17, ignore_eos=True, method="chain").tokens == \
+        engine.generate(PROMPTS, 17, ignore_eos=True).tokens
+
+
+def _exact_marginals(params, prompt, sampling, depth):
+    """Exact distributions of generated tokens 1..depth, by enumerating every prefix."""
+    vocab = TINY.vocab_size
+    prefixes = np.zeros((1, 0), np.int32)
+    weights = np.ones(1)
+    marginals = []
+    for _ in range(depth):
+        seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+        cache = KVCache.zeros(TINY, len(seqs), 16)
+        out = forward(params, TINY, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
+                      cache, jnp.zeros((len(seqs),), jnp.int32))
+        probs = np.asarray(target_probs(out.logits[:, -1], sampling), np.float64)  # [P, V]
+        joint = weights[:, None] * probs
+        marginals.append(joint.sum(0))
+        prefixes = np.concatenate([np.repeat(prefixes, vocab, axis=0), np.tile(np.arange(vocab), len(prefixes))[:, None]], 1)
+        weights = joint.reshape(-1)
+    return marginals
+
+
+SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_sampled_chain_matches_the_exact_target_distribution(target, drafter, sampling):
+    prompt = [1, 5, 2]
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=3)
+    engine = Engine(target, drafter)
+    result = engine.generate([prompt] * 20_000, 3, sampling, seed=3, ignore_eos=True, method="chain")
+    out = np.asarray(result.tokens)
+    assert 0.1 < result.stats["per_position_acceptance"][0] < 0.99  # both branches exercised
+    for position in range(3):
+        counts = np.bincount(out[:, position], minlength=TINY.vocab_size)
+        assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
+
+
+def _broken_impl(draft, draft_probs, target_probs_, rng):
+    """Resamples from p instead of the residual max(p - q, 0), so drafts are counted twice."""
+    n, _ = accept_sampled(draft, draft_probs, target_probs_, rng)
+    p_next = jnp.take_along_axis(target_probs_, n[:, None, None], axis=1)[:, 0]
+    return n, jax.random.categorical(jax.random.fold_in(rng, 1), jnp.log(p_next), axis=-1).astype(jnp.int32)
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test(target, drafter, monkeypatch):
+    sampling = SAMPLINGS[0]
+    prompt = [1, 5, 2]
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=2)
+    monkeypatch.setattr(speculative, "accept_sampled", _broken_impl)
+    broken = jax.jit(speculative.generate_chain.__wrapped__, static_argnames=speculative._STATIC)
+    tokens, _, _ = broken(target.params, drafter.params, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
+                          jax.random.key(3), target_config=TINY, drafter_config=drafter.config, sampling=sampling,
+                          max_new_tokens=2, eos_token_ids=(), cache_length=64)
+    counts = np.bincount(np.asarray(tokens)[:, 1], minlength=TINY.vocab_size)
+    assert chi_square_pvalue(counts, exact[1]) < 1e-6
+
+
+def test_acceptance_rules_on_hand_made_cases():
+    assert leading_true(jnp.asarray([[True, True, False, True], [False, True, True, True]])).tolist() == [2, 0]
+    logits = jnp.log(jnp.asarray([[[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]]]))  # argmax 1, 0, then tie -> 0
+    n, nxt = accept_greedy(jnp.asarray([[1, 0]]), logits)
+    assert n.tolist() == [2] and nxt.tolist() == [0]
+    n, nxt = accept_greedy(jnp.asarray([[1, 1]]), logits)
+    assert n.tolist() == [1] and nxt.tolist() == [0]
+    # q == p everywhere: every draft is accepted.
+    p = jnp.asarray([[[0.3, 0.7], [0.6, 0.4], [0.5, 0.5]]])
+    n, _ = accept_sampled(jnp.asarray([[1, 0]]), p[:, :2], p, jax.random.key(0))
+    assert n.tolist() == [2]
+    # q puts all mass on a token p never produces: always rejected, correction drawn from p.
+    q = jnp.asarray([[[1.0, 0.0], [1.0, 0.0]]])
+    p0 = jnp.asarray([[[0.0, 1.0], [0.5, 0.5], [0.5, 0.5]]])
+    n, nxt = accept_sampled(jnp.asarray([[0, 0]]), q, p0, jax.random.key(1))
+    assert n.tolist() == [0] and nxt.tolist() == [1]
+
+
+def test_dflash_format_round_trip_and_checks(target, drafter, tmp_path):
+    save_drafter(tmp_path / "d", drafter.config, drafter.params, TINY)
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.config == drafter.config and loaded.num_target_layers == TINY.num_layers
+    engine = Engine(target, loaded)
+    assert engine.generate(PROMPTS, 12, ignore_eos=True, method="chain").tokens == \
+        engine.generate(PROMPTS, 12, ignore_eos=True).tokens
+    with pytest.raises(SpecjaxError, match="block size 4, not 8"):
+        check_pair(loaded, TINY, block_size=8)
+    import dataclasses
+    with pytest.raises(SpecjaxError, match="hidden size"):
+        check_pair(loaded, dataclasses.replace(TINY, hidden_size=64, head_dim=32))
+    with pytest.raises(SpecjaxError, match="taps target layer"):
+        check_pair(loaded, dataclasses.replace(TINY, num_layers=1))
+    with pytest.raises(SpecjaxError, match="vocabulary"):
+        check_pair(loaded, dataclasses.replace(TINY, vocab_size=50))
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(SpecjaxError, match="truncated or corrupt"):
+        load_drafter(tmp_path / "d")
+
+
+def test_chain_without_drafter_is_refused(target):
+    with pytest.raises(SpecjaxError, match="needs a drafter"):
+        Engine(target).generate(PROMPTS, 4, method="chain")
