@@ -157,6 +157,22 @@ def cmd_train_lm(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    from specjax.train.recipe import DistillRecipe, train_drafter_recipe
+
+    recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
+                           seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
+                           num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
+                           init_from_target=not args.random_init, seed=args.seed)
+    summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
+    if args.data_only:
+        print(json.dumps(summary))
+        return 0
+    print(json.dumps(summary) if args.json else
+          f"drafter written to {summary['drafter']} (held-out tau estimate {summary['tau_estimate']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with block-diffusion drafters, in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--seed", type=int, default=0)
     lm.add_argument("--json", action="store_true")
     lm.set_defaults(func=cmd_train_lm)
+
+    td = sub.add_parser("train-drafter", help="distil a block-diffusion drafter from a target (rerun to resume)")
+    td.add_argument("--model", default=DEFAULT_MODEL)
+    td.add_argument("--out", required=True, help="run folder: data/, run/ (checkpoints, metrics), drafter/")
+    td.add_argument("--chat-prompts", type=int, default=512, help="self-distillation prompts from the corpora")
+    td.add_argument("--corpus-sequences", type=int, default=512, help="teacher-forced corpus windows")
+    td.add_argument("--seq-len", type=int, default=256)
+    td.add_argument("--layers", type=int, default=1)
+    td.add_argument("--block-size", type=int, default=16)
+    td.add_argument("--taps", type=int, default=4, help="target layers tapped, spread from layer 1 to n-3")
+    td.add_argument("--steps", type=int, default=3000)
+    td.add_argument("--learning-rate", type=float, default=1e-3)
+    td.add_argument("--random-init", action="store_true", help="do not start from the target's top layers")
+    td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--data-only", action="store_true", help="stop after making the distillation data")
+    td.add_argument("--json", action="store_true")
+    td.set_defaults(func=cmd_train_drafter)
     return parser
 
 

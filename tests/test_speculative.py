@@ -137,7 +137,7 @@ def test_a_broken_acceptance_rule_fails_the_same_test(target, drafter, monkeypat
     exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=2)
     monkeypatch.setattr(speculative, "accept_sampled", _broken_impl)
     broken = jax.jit(speculative.generate_chain.__wrapped__, static_argnames=speculative._STATIC)
-    tokens, _, _ = broken(target.params, drafter.params, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
+    tokens, _, _ = broken(target.params, drafter.params, None, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
                           jax.random.key(3), target_config=TINY, drafter_config=drafter.config, sampling=sampling,
                           max_new_tokens=2, eos_token_ids=(), cache_length=64)
     counts = np.bincount(np.asarray(tokens)[:, 1], minlength=TINY.vocab_size)
@@ -184,6 +184,41 @@ def test_dflash_format_round_trip_and_checks(target, drafter, tmp_path):
         load_drafter(tmp_path / "d")
 
 
+def test_restricted_draft_vocabulary_stays_exact(target, drafter, tmp_path):
+    """A drafter whose head covers only part of the vocabulary proposes only those tokens; greedy
+    output is unchanged and sampling still matches the exact distribution."""
+    vocab = np.array([0, 2, 4, 5, 7, 9, 11], np.int32)
+    save_drafter(tmp_path / "d", drafter.config, drafter.params, TINY, draft_vocab=vocab)
+    restricted = load_drafter(tmp_path / "d")
+    assert restricted.draft_vocab.tolist() == vocab.tolist()
+    engine = Engine(target, restricted)
+    assert engine.generate(PROMPTS, 16, ignore_eos=True, method="chain").tokens == \
+        engine.generate(PROMPTS, 16, ignore_eos=True).tokens
+    sampling = SAMPLINGS[0]
+    exact = _exact_marginals(target.params, np.asarray([1, 5, 2]), sampling, depth=2)
+    out = np.asarray(engine.generate([[1, 5, 2]] * 20_000, 2, sampling, seed=4, ignore_eos=True,
+                                     method="chain").tokens)
+    assert chi_square_pvalue(np.bincount(out[:, 1], minlength=TINY.vocab_size), exact[1]) > 1e-3
+
+
 def test_chain_without_drafter_is_refused(target):
     with pytest.raises(SpecjaxError, match="needs a drafter"):
         Engine(target).generate(PROMPTS, 4, method="chain")
+
+
+def test_training_with_a_draft_vocabulary(target, tmp_path):
+    from specjax.train.drafter import choose_draft_vocab
+    from specjax.train.loop import read_metrics
+
+    data = _distillation_set(target, tmp_path / "data", 2, n=16)
+    vocab = choose_draft_vocab([data], 6, always=[3])
+    counts = np.bincount(np.asarray(data.labels)[np.asarray(data.valid)], minlength=TINY.vocab_size)
+    assert 3 in vocab and len(vocab) == 6
+    assert set(np.argsort(-counts)[:5]) <= set(vocab.tolist())  # the most frequent labels are in
+    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=BLOCK, num_taps=2)
+    train_drafter(target.params, TINY, config, data, tmp_path / "run",
+                  OptimizerConfig(learning_rate=3e-3, warmup_steps=2, total_steps=30),
+                  LoopConfig(steps=30, log_every=1, eval_every=30, checkpoint_every=30, progress=False),
+                  DrafterTrainConfig(sequences_per_batch=2, anchors_per_sequence=8), draft_vocab=vocab)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3

@@ -23,7 +23,7 @@ from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.registry import LoadedModel
 from specjax.models.drafter import empty_context_cache
 from specjax.models.cache import KVCache
-from specjax.models.transformer import forward
+from specjax.models.transformer import forward, head_matrix
 
 METHODS = ("ar", "chain")
 SPECULATIVE_METHODS = ("chain",)
@@ -169,7 +169,8 @@ class Engine:
 
     def _generate_chain(self, shape: DecodeRequestShape, args) -> GenerationResult:
         target_params, prompt_tokens, prompt_lengths, rng = args
-        full_args = (target_params, self.drafter.params, prompt_tokens, prompt_lengths, rng)
+        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
+        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng)
         statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
                        max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
                        cache_length=shape.cache_length)
@@ -214,7 +215,7 @@ class Engine:
         """Median seconds of one draft pass and one verify pass at this request's shapes (cached)."""
         if shape in self._phase_costs:
             return self._phase_costs[shape]
-        target_params, drafter_params, _, prompt_lengths, _ = full_args
+        target_params, drafter_params, draft_vocab, _, prompt_lengths, _ = full_args
         tcfg, dcfg = self.model.config, self.drafter.config
         batch, block = shape.batch, dcfg.block_size
         context = empty_context_cache(dcfg, batch, shape.cache_length)
@@ -223,10 +224,11 @@ class Engine:
         verify_tokens = jnp.zeros((batch, block), jnp.int32)
         positions = prompt_lengths[:, None] + jnp.arange(block)
         # Params go in as arguments: closed-over arrays would be baked into the executable as constants.
-        draft_fn = jax.jit(lambda tp, dp, ctx: draft_block(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx))
+        head = jax.jit(head_matrix, static_argnums=1)(target_params, tcfg, draft_vocab)
+        draft_fn = jax.jit(lambda tp, dp, ctx, h: draft_block(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h))
         verify_fn = jax.jit(lambda tp, cache: forward(tp, tcfg, verify_tokens, positions, cache, prompt_lengths,
                                                       hidden_layers=dcfg.target_layer_ids))
-        draft = lambda: draft_fn(target_params, drafter_params, context)
+        draft = lambda: draft_fn(target_params, drafter_params, context, head)
         verify = lambda: verify_fn(target_params, target_cache)
 
         def median_time(fn):

@@ -21,7 +21,7 @@ from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values, empty_context_cache
 from specjax.models.layers import attention_mask
-from specjax.models.transformer import embed_tokens, forward, lm_head
+from specjax.models.transformer import embed_tokens, forward, head_matrix
 
 
 @struct.dataclass
@@ -49,8 +49,9 @@ class ChainState:
 
 
 def draft_block(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
-                last_token, lengths, context_cache: KVCache):
-    """One drafter pass. Returns draft logits [B, K, V] for positions lengths+1 .. lengths+K (K = block-1)."""
+                last_token, lengths, context_cache: KVCache, head):
+    """One drafter pass. head: [d, V'] output matrix (the target's LM head, or its draft-vocabulary
+    columns). Returns draft logits [B, K, V'] for positions lengths+1 .. lengths+K (K = block-1)."""
     batch, block = last_token.shape[0], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
     is_mask = jnp.broadcast_to(slot > 0, (batch, block))  # [B, Bk]
@@ -63,7 +64,7 @@ def draft_block(target_params, target_config: TransformerConfig, drafter_params,
     mask = attention_mask(lengths, block, context_cache.max_length, jnp.ones((batch, block, block), bool))
     h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
                       lengths)  # [B, Bk, d]
-    return lm_head(target_params, target_config, h[:, 1:])  # [B, K, V]
+    return jnp.einsum("BKd,dV->BKV", h[:, 1:], head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 def append_context(drafter_params, drafter_config: DrafterConfig, context_cache: KVCache, features, positions,
@@ -80,11 +81,13 @@ _STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def generate_chain(target_params, drafter_params, prompt_tokens, prompt_lengths, rng, *,
+def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, *,
                    target_config: TransformerConfig, drafter_config: DrafterConfig, sampling: SamplingConfig,
                    max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int):
     """Speculative generation. Returns (tokens [B, N], num_generated [B], accepted_histogram [B, block]).
 
+    draft_vocab: None, or [V'] token ids the drafter may propose (a smaller head is cheaper; tokens
+    outside it get draft probability 0, which the acceptance rules handle exactly).
     cache_length must hold prompt + max_new_tokens + block slots.
     """
     batch, prompt_len = prompt_tokens.shape
@@ -99,6 +102,8 @@ def generate_chain(target_params, drafter_params, prompt_tokens, prompt_lengths,
     context_cache = append_context(drafter_params, drafter_config, empty_context_cache(drafter_config, batch, cache_length),
                                    features, positions, jnp.zeros((batch,), jnp.int32))
     first = sample(logits, first_rng, sampling)
+    head = head_matrix(target_params, target_config, draft_vocab)  # [d, V'], gathered once, outside the loop
+    to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
     state = ChainState(
         step=jnp.int32(0),
         tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
@@ -118,12 +123,15 @@ def generate_chain(target_params, drafter_params, prompt_tokens, prompt_lengths,
     def one_step(s: ChainState):
         rng, draft_rng, accept_rng = jax.random.split(s.rng, 3)
         draft_logits = draft_block(target_params, target_config, drafter_params, drafter_config,
-                                   s.last_token, s.lengths, s.context_cache)  # [B, K, V]
+                                   s.last_token, s.lengths, s.context_cache, head)  # [B, K, V']
         if sampling.greedy:
-            draft = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)  # [B, K]
+            draft = to_token(jnp.argmax(draft_logits, axis=-1).astype(jnp.int32))  # [B, K]
         else:
             q_logits = processed_logits(draft_logits, sampling)
-            draft = jax.random.categorical(draft_rng, q_logits, axis=-1).astype(jnp.int32)
+            draft = to_token(jax.random.categorical(draft_rng, q_logits, axis=-1).astype(jnp.int32))
+            q = jax.nn.softmax(q_logits, axis=-1)
+            if draft_vocab is not None:  # back to the full vocabulary: q is 0 off the draft vocabulary
+                q = jnp.zeros(q.shape[:-1] + (target_config.vocab_size,), q.dtype).at[..., draft_vocab].set(q)
 
         verify_tokens = jnp.concatenate([s.last_token[:, None], draft], axis=1)  # [B, Bk]
         verify_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
@@ -132,8 +140,7 @@ def generate_chain(target_params, drafter_params, prompt_tokens, prompt_lengths,
         if sampling.greedy:
             n, next_token = accept_greedy(draft, out.logits)
         else:
-            n, next_token = accept_sampled(draft, jax.nn.softmax(q_logits, axis=-1),
-                                           target_probs(out.logits, sampling), accept_rng)
+            n, next_token = accept_sampled(draft, q, target_probs(out.logits, sampling), accept_rng)
 
         # Committed this step: d_1..d_n then next_token (n+1 tokens), written at num_generated.
         slot = jnp.arange(block, dtype=jnp.int32)[None, :]

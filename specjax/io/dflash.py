@@ -62,6 +62,8 @@ class LoadedDrafter:
     params: dict
     num_target_layers: int | None
     """Depth of the target the drafter was trained for (DFlash's `num_target_layers`)."""
+    draft_vocab: np.ndarray | None = None
+    """[V'] int32 token ids the drafter's head covers, or None for the whole vocabulary."""
 
 
 def drafter_config_from_json(cfg: dict, source: str, has_qk_norm: bool) -> tuple[DrafterConfig, int | None]:
@@ -119,13 +121,19 @@ def load_drafter(folder: str | Path) -> LoadedDrafter:
     tensors = {}
     for path in files:
         try:
-            tensors.update({k: np.asarray(v, np.float32) for k, v in load_file(str(path)).items()})
+            tensors.update({k: np.asarray(v, np.int32 if k == "draft_vocab" else np.float32)
+                            for k, v in load_file(str(path)).items()})
         except (SafetensorError, OSError, ValueError, TypeError) as e:
             raise SpecjaxError(f"{path}: cannot read drafter weights, the file may be truncated or corrupt ({e})") from None
     config, num_target = drafter_config_from_json(cfg, str(cfg_path), any("q_norm" in k for k in tensors))
     expected = {p: tuple(l.shape) for p, l in traverse_util.flatten_dict(
         jax.eval_shape(lambda: init_drafter_params(config, jax.random.key(0)))).items()}
     flat = {}
+    draft_vocab = tensors.pop("draft_vocab", None)
+    if draft_vocab is not None:
+        draft_vocab = draft_vocab.astype(np.int32)
+        if draft_vocab.ndim != 1 or draft_vocab.min() < 0 or draft_vocab.max() >= config.vocab_size:
+            raise SpecjaxError(f"{folder}: draft_vocab must be a list of token ids below {config.vocab_size}")
     for name, array in tensors.items():
         mapped = _to_flax(name)
         if mapped is None:
@@ -143,12 +151,13 @@ def load_drafter(folder: str | Path) -> LoadedDrafter:
     missing = sorted(".".join(p) for p in expected if p not in flat)
     if missing:
         raise SpecjaxError(f"{folder}: missing drafter weights {', '.join(missing[:5])}")
-    return LoadedDrafter(str(folder), config, traverse_util.unflatten_dict(flat), num_target)
+    return LoadedDrafter(str(folder), config, traverse_util.unflatten_dict(flat), num_target, draft_vocab)
 
 
 def save_drafter(folder: str | Path, config: DrafterConfig, params, target: TransformerConfig,
-                 dtype=np.float32) -> None:
-    """Write a drafter in DFlash's format (bf16 keeps committed checkpoints small)."""
+                 dtype=np.float32, draft_vocab: np.ndarray | None = None) -> None:
+    """Write a drafter in DFlash's format (bf16 keeps committed checkpoints small). A restricted
+    draft vocabulary is stored as an extra int32 tensor `draft_vocab`."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -165,6 +174,8 @@ def save_drafter(folder: str | Path, config: DrafterConfig, params, target: Tran
         array = np.asarray(leaf, np.float32)
         array = np.ascontiguousarray(array.T if transpose else array)
         tensors[name] = array.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else array.astype(dtype)
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = np.asarray(draft_vocab, np.int32)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = {
         "architectures": ["DFlashDraftModel"],

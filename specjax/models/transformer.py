@@ -148,6 +148,12 @@ def embed_tokens(params, config: TransformerConfig, tokens):
     return Transformer(config).apply({"params": params}, tokens, method=Transformer.embed)
 
 
+def head_matrix(params, config: TransformerConfig, vocab_ids=None):
+    """The LM head as a [d, V'] matrix, optionally only the columns of vocab_ids [V']."""
+    full = params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]["kernel"]
+    return full if vocab_ids is None else jnp.take(full, vocab_ids, axis=1)
+
+
 def lm_head(params, config: TransformerConfig, normed_hidden):
     """The target's LM head alone, for drafters that share it. [B, N, d] -> [B, N, V] float32."""
     return Transformer(config).apply({"params": params}, normed_hidden, method=Transformer.head_only)

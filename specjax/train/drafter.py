@@ -29,7 +29,7 @@ import optax
 from specjax.errors import SpecjaxError
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values
-from specjax.models.transformer import embed_tokens, lm_head
+from specjax.models.transformer import embed_tokens, head_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,32 +149,41 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     return DistillationSet.open(out_dir)
 
 
-def sample_drafter_batch(data: DistillationSet, step: int, seed: int, cfg: DrafterTrainConfig, block: int) -> dict:
-    """A batch of sequences and anchors; a pure function of (seed, step) so resumes are exact."""
+def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step: int, seed: int,
+                         cfg: DrafterTrainConfig, block: int) -> dict:
+    """A batch of sequences and anchors; a pure function of (seed, step) so resumes are exact.
+
+    data may be several sets of the same sequence length (e.g. self-distilled chat plus corpus
+    text); sequences are drawn uniformly from all of them.
+    """
+    sets = [data] if isinstance(data, DistillationSet) else list(data)
+    sizes = np.array([d.num_sequences for d in sets])
     rng = np.random.default_rng([seed, step, 7])
-    rows = rng.integers(0, data.num_sequences, size=cfg.sequences_per_batch)
-    seq_len = data.tokens.shape[1]
+    picks = rng.integers(0, sizes.sum(), size=cfg.sequences_per_batch)
+    owner = np.searchsorted(np.cumsum(sizes), picks, side="right")
+    rows = [(sets[o], int(p - (sizes[:o].sum()))) for o, p in zip(owner, picks)]
+    seq_len = sets[0].tokens.shape[1]
     anchors = np.zeros((len(rows), cfg.anchors_per_sequence), np.int32)
-    for i, r in enumerate(rows):
+    for i, (d, r) in enumerate(rows):
         # An anchor is useful when its first drafted slot has a valid label.
-        allowed = np.flatnonzero(data.valid[r, 1:]) if seq_len > 1 else np.zeros(0, int)
-        allowed = allowed[allowed < seq_len - 1]
+        allowed = np.flatnonzero(d.valid[r, 1:])
         if len(allowed) == 0:
             allowed = np.array([0])
         anchors[i] = rng.choice(allowed, size=cfg.anchors_per_sequence, replace=len(allowed) < cfg.anchors_per_sequence)
+    stack = lambda field: np.stack([np.asarray(getattr(d, field)[r]) for d, r in rows])
     return {
-        "tokens": np.asarray(data.tokens[rows]),
-        "labels": np.asarray(data.labels[rows]),
-        "valid": np.asarray(data.valid[rows]),
-        "features": np.asarray(data.features[rows]),
+        "tokens": stack("tokens"),
+        "labels": stack("labels"),
+        "valid": stack("valid"),
+        "features": stack("features"),
         "anchors": np.sort(anchors, axis=1),
     }
 
 
 def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
-                         tokens, features, anchors):
+                         tokens, features, anchors, head):
     """Logits of every anchor's block in one pass. tokens: [b, T]; features: [b, T, taps, d];
-    anchors: [b, A]. Returns [b, A, B-1, V] for slots 1..B-1."""
+    anchors: [b, A]; head: [d, V'] output matrix. Returns [b, A, B-1, V'] for slots 1..B-1."""
     b, seq_len = tokens.shape
     num_anchors, block = anchors.shape[1], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
@@ -196,45 +205,75 @@ def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_p
     mask = jnp.concatenate([sees_context, sees_block], axis=2)
     h = drafter.apply({"params": drafter_params}, x, positions, tuple(k for k, _ in kv), tuple(v for _, v in kv), mask)
     h = h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
-    return lm_head(target_params, target_config, h.reshape(b, num_anchors * (block - 1), -1)).reshape(
-        b, num_anchors, block - 1, -1)
+    return jnp.einsum("bAKd,dV->bAKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, target_params,
-                 target_config: TransformerConfig, gamma: float):
-    """Decay-weighted cross-entropy over block slots. Returns (loss, {"slot1_accuracy": ...})."""
-    block = drafter_config.block_size
-    logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
-                                  batch["features"], batch["anchors"])  # [b, A, K, V]
+def _draft_labels(batch: dict, block: int, label_index):
+    """Labels at every anchor's slots 1..B-1 as draft-vocabulary indices, and which count.
+    label_index: [V] int32 mapping a token to its draft index (-1 when outside), or None."""
     seq_len = batch["tokens"].shape[1]
     label_pos = batch["anchors"][:, :, None] + jnp.arange(1, block)  # [b, A, K]
     in_range = label_pos < seq_len
-    label_pos = jnp.minimum(label_pos, seq_len - 1)
-    gather = lambda a: jnp.take_along_axis(a, label_pos.reshape(a.shape[0], -1), axis=1).reshape(label_pos.shape)
+    flat = jnp.minimum(label_pos, seq_len - 1).reshape(label_pos.shape[0], -1)
+    gather = lambda a: jnp.take_along_axis(a, flat, axis=1).reshape(label_pos.shape)
     labels = gather(batch["labels"])
-    weight = in_range & gather(batch["valid"])
-    weight = weight * jnp.exp(-(jnp.arange(1, block) - 1) / gamma)  # [b, A, K]
+    valid = in_range & gather(batch["valid"])
+    if label_index is not None:
+        labels = jnp.take(label_index, labels)
+        valid = valid & (labels >= 0)
+        labels = jnp.maximum(labels, 0)
+    return labels, valid
+
+
+def choose_draft_vocab(sets: Sequence[DistillationSet], size: int, always: Sequence[int] = ()) -> np.ndarray:
+    """The `size` most frequent label tokens over the sets' trainable positions (plus `always`),
+    sorted by id. On held-out SmolLM2 text the 16k most frequent tokens cover about 96%."""
+    counts = None
+    for d in sets:
+        c = np.bincount(np.asarray(d.labels)[np.asarray(d.valid)], minlength=1)
+        counts = c if counts is None else np.pad(counts, (0, max(0, len(c) - len(counts)))) + \
+            np.pad(c, (0, max(0, len(counts) - len(c))))
+    order = np.argsort(-counts, kind="stable")
+    chosen = set(int(i) for i in always)
+    for token in order:
+        if len(chosen) >= size:
+            break
+        chosen.add(int(token))
+    return np.array(sorted(chosen), np.int32)
+
+
+def label_index_for(draft_vocab, vocab_size: int):
+    if draft_vocab is None:
+        return None
+    index = np.full(vocab_size, -1, np.int32)
+    index[np.asarray(draft_vocab)] = np.arange(len(draft_vocab), dtype=np.int32)
+    return jnp.asarray(index)
+
+
+def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, target_params,
+                 target_config: TransformerConfig, gamma: float, draft_vocab=None, label_index=None):
+    """Decay-weighted cross-entropy over block slots. Returns (loss, {"slot1_accuracy": ...})."""
+    block = drafter_config.block_size
+    head = head_matrix(target_params, target_config, draft_vocab)
+    logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
+                                  batch["features"], batch["anchors"], head)  # [b, A, K, V']
+    labels, valid = _draft_labels(batch, block, label_index)
+    weight = valid * jnp.exp(-(jnp.arange(1, block) - 1) / gamma)  # [b, A, K]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     loss = jnp.sum(ce * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
-    hit = (jnp.argmax(logits, -1) == labels) & (weight > 0)
-    slot1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(weight[..., 0] > 0), 1)
+    hit = (jnp.argmax(logits, -1) == labels) & valid
+    slot1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1)
     return loss, {"slot1_accuracy": slot1}
 
 
 def estimate_tau_array(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
-                       batch: dict) -> jax.Array:
+                       batch: dict, draft_vocab=None, label_index=None) -> jax.Array:
     """Held-out acceptance-length estimate under teacher forcing: for each anchor, 1 + the number of
     leading slots whose argmax equals the label (what greedy chain decoding would commit)."""
+    head = head_matrix(target_params, target_config, draft_vocab)
     logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
-                                  batch["features"], batch["anchors"])
-    block = drafter_config.block_size
-    seq_len = batch["tokens"].shape[1]
-    label_pos = batch["anchors"][:, :, None] + jnp.arange(1, block)
-    ok = label_pos < seq_len
-    label_pos = jnp.minimum(label_pos, seq_len - 1)
-    flat = label_pos.reshape(label_pos.shape[0], -1)
-    labels = jnp.take_along_axis(batch["labels"], flat, axis=1).reshape(label_pos.shape)
-    valid = jnp.take_along_axis(batch["valid"], flat, axis=1).reshape(label_pos.shape) & ok
+                                  batch["features"], batch["anchors"], head)
+    labels, valid = _draft_labels(batch, drafter_config.block_size, label_index)
     match = (jnp.argmax(logits, -1) == labels) & valid
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)  # [b, A]
     usable = valid[..., 0]
@@ -242,9 +281,9 @@ def estimate_tau_array(drafter_params, drafter_config: DrafterConfig, target_par
 
 
 def train_drafter(target_params, target_config: TransformerConfig, drafter_config: DrafterConfig,
-                  data: DistillationSet, out_dir: str | Path, optimizer=None, loop=None,
+                  data: DistillationSet | Sequence[DistillationSet], out_dir: str | Path, optimizer=None, loop=None,
                   train_config: DrafterTrainConfig = DrafterTrainConfig(), heldout: DistillationSet | None = None,
-                  init_params=None):
+                  init_params=None, draft_vocab=None):
     """Train a drafter on a distillation set with the target frozen. Resumes from out_dir.
 
     Logs loss, slot-1 accuracy and (with a held-out set) the teacher-forced acceptance-length
@@ -254,16 +293,21 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     from specjax.train.loop import LoopConfig, OptimizerConfig, train
 
     drafter_config.check_target(target_config)
-    if tuple(data.target_layer_ids) != tuple(drafter_config.target_layer_ids):
-        raise SpecjaxError(f"the distillation set holds target layers {data.target_layer_ids}, "
-                           f"the drafter taps {drafter_config.target_layer_ids}")
+    for d in [data] if isinstance(data, DistillationSet) else data:
+        if tuple(d.target_layer_ids) != tuple(drafter_config.target_layer_ids):
+            raise SpecjaxError(f"the distillation set holds target layers {d.target_layer_ids}, "
+                               f"the drafter taps {drafter_config.target_layer_ids}")
     optimizer = optimizer or OptimizerConfig()
     loop = loop or LoopConfig()
     params = init_params if init_params is not None else init_drafter_params(drafter_config, jax.random.key(loop.seed))
 
+    draft_vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+    label_index = label_index_for(draft_vocab, target_config.vocab_size)
+
     def loss_fn(p, batch, rng):
         return drafter_loss(p, batch, drafter_config=drafter_config, target_params=target_params,
-                            target_config=target_config, gamma=train_config.gamma)
+                            target_config=target_config, gamma=train_config.gamma, draft_vocab=draft_vocab,
+                            label_index=label_index)
 
     block = drafter_config.block_size
     batch_fn = lambda step: jax.tree.map(jnp.asarray, sample_drafter_batch(data, step, loop.seed, train_config, block))
@@ -271,7 +315,28 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     if heldout is not None:
         eval_batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config, block))
                         for i in range(4)]
-        tau = jax.jit(lambda p, b: estimate_tau_array(p, drafter_config, target_params, target_config, b))
+        tau = jax.jit(lambda p, b: estimate_tau_array(p, drafter_config, target_params, target_config, b,
+                                                      draft_vocab, label_index))
         eval_fn = lambda p: {"tau_estimate": float(np.mean([tau(p, b) for b in eval_batches]))}
     trained, _ = train(loss_fn, params, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
     return trained
+
+
+def init_from_target_layers(drafter_params, target_params, layer_ids: Sequence[int]):
+    """Copy target decoder layers into the drafter's layers (same shapes: the drafter is as wide
+    as its target). A drafter that starts as the target's top layers learns much faster than one
+    from a random start, because its attention and MLP already speak the target's feature space."""
+    out = dict(drafter_params)
+    for i, layer in enumerate(layer_ids):
+        src = target_params[f"layers_{layer}"]
+        dst = dict(out[f"layers_{i}"])
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            dst[name] = src["self_attn"][name]
+        for name in ("q_norm", "k_norm"):
+            if name in src["self_attn"] and name in dst:
+                dst[name] = src["self_attn"][name]
+        dst["mlp"] = src["mlp"]
+        dst["input_layernorm"] = src["input_layernorm"]
+        dst["post_attention_layernorm"] = src["post_attention_layernorm"]
+        out[f"layers_{i}"] = dst
+    return out

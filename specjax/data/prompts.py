@@ -1,0 +1,68 @@
+"""Chat prompts: a fixed held-out set for evaluation and demos, and training prompts built from the
+training split of the corpora (so a drafter never sees the evaluation prompts)."""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Sequence
+
+from specjax.data.corpora import Document
+
+# Held out: never used to build training data. Everyday assistant requests, unlike the
+# corpus-passage prompts below, so the evaluation measures transfer to chat.
+HELDOUT_CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is.",
+    "Give me three tips for learning to cook.",
+    "Why is the sky blue?",
+    "Describe a cat to someone who has never seen one.",
+    "How do I make a cup of tea?",
+    "What are the benefits of regular exercise?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a child.",
+    "What is the difference between weather and climate?",
+    "List five fruits that are high in vitamin C.",
+)
+
+DEMO_PROMPTS = HELDOUT_CHAT_PROMPTS[:4]
+
+_TEMPLATES_PROSE = (
+    "Continue the following text:\n\n{passage}",
+    "Summarize this passage in a few sentences:\n\n{passage}",
+    "What is the main idea of this text?\n\n{passage}",
+    "Rewrite this passage in simple modern English:\n\n{passage}",
+    "Who might be speaking in this passage, and what do they want?\n\n{passage}",
+    "Write a short story inspired by this passage:\n\n{passage}",
+    "List three questions a reader might ask about this text:\n\n{passage}",
+    "Explain this passage to a student:\n\n{passage}",
+)
+_TEMPLATES_CODE = (
+    "Explain what this Python code does:\n\n{passage}",
+    "Is there a bug in this code? Explain.\n\n{passage}",
+    "Write a docstring for this code:\n\n{passage}",
+)
+
+
+def _passage(text: str, rng: random.Random, words: int) -> str:
+    tokens = re.split(r"(\s+)", text)
+    if len(tokens) <= 2 * words:
+        return text.strip()
+    start = rng.randrange(0, len(tokens) - 2 * words)
+    return "".join(tokens[start : start + 2 * words]).strip()
+
+
+def training_chat_prompts(documents: Sequence[Document], count: int, seed: int = 0,
+                          passage_words: tuple[int, int] = (12, 45)) -> list[str]:
+    """count chat prompts, each a template around a random passage of a training document."""
+    if not documents:
+        raise ValueError("no documents to build prompts from")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        doc = rng.choice(documents)
+        code = doc.corpus == "python_stdlib"
+        template = rng.choice(_TEMPLATES_CODE if code else _TEMPLATES_PROSE)
+        prompts.append(template.format(passage=_passage(doc.text, rng, rng.randint(*passage_words))))
+    return prompts

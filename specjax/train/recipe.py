@@ -1,0 +1,161 @@
+"""The end-to-end recipe behind `specjax train-drafter`: distillation data for a real target, then
+drafter training, then a DFlash-format checkpoint. Every stage reuses what an earlier (possibly
+interrupted) run left in the output folder, so rerunning the same command resumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillRecipe:
+    """What data to make and how to train on it."""
+
+    chat_prompts: int = 512
+    """Self-distillation prompts built from the training corpora (the target answers them greedily)."""
+    corpus_sequences: int = 512
+    """Teacher-forced windows of corpus text."""
+    seq_len: int = 256
+    """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
+    generate_batch: int = 32
+    """Prompts decoded together while generating continuations."""
+    corpora: tuple[str, ...] = ("austen", "shakespeare", "kjv", "gutenberg_novels", "python_stdlib")
+    """Training-split corpora for prompts and windows."""
+    num_layers: int = 1
+    """Drafter depth."""
+    block_size: int = 16
+    """Drafter block size."""
+    num_taps: int = 4
+    """Target layers tapped."""
+    draft_vocab_size: int = 16384
+    """Tokens the drafter's head covers (the most frequent labels); 0 for the whole vocabulary. The
+    LM head dominates a small drafter's cost, so this cuts training and drafting time about 3x."""
+    init_from_target: bool = True
+    """Start the drafter's layers as copies of the target's top layers."""
+    steps: int = 3000
+    """Optimizer steps."""
+    learning_rate: float = 1e-3
+    """Peak AdamW learning rate."""
+    sequences_per_batch: int = 4
+    """Sequences per step."""
+    anchors_per_sequence: int = 32
+    """Blocks per sequence per step."""
+    seed: int = 0
+    """Seeds prompts, windows, batches and init."""
+
+
+def _log(message: str) -> None:
+    print(f"[specjax] {message}", file=sys.stderr, flush=True)
+
+
+def _coverage(data, draft_vocab) -> float:
+    labels = np.asarray(data.labels)[np.asarray(data.valid)]
+    return float(np.isin(labels, draft_vocab).mean()) if len(labels) else 0.0
+
+
+def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
+    """(train sets, held-out set); each stage is skipped when its folder is complete."""
+    from specjax.data.corpora import load_split
+    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, training_chat_prompts
+    from specjax.decode.engine import Engine
+    from specjax.train.drafter import DistillationSet, build_distillation_set
+
+    if model.tokenizer is None:
+        raise SpecjaxError("the target has no tokenizer; distillation needs text prompts")
+    tok = model.tokenizer
+
+    def done(folder: Path) -> bool:
+        return (folder / "meta.json").exists()
+
+    engine = Engine(model)
+
+    def continuations(prompts: list[str], folder: Path, what: str):
+        if done(folder):
+            return DistillationSet.open(folder)
+        # Prompts longer than half a sequence are dropped, not cut: a cut prompt loses the chat
+        # template's closing "assistant" turn. A fixed continuation length keeps one compilation.
+        ids = [i for i in (tok.encode_chat(p) for p in prompts) if len(i) <= recipe.seq_len // 2]
+        new_tokens = recipe.seq_len - recipe.seq_len // 2
+        sequences = []
+        from tqdm.auto import tqdm
+        for begin in tqdm(range(0, len(ids), recipe.generate_batch), desc=f"{what}: target continuations", unit="batch"):
+            chunk = ids[begin : begin + recipe.generate_batch]
+            out = engine.generate(chunk, new_tokens).tokens
+            sequences += [(p + o, len(p)) for p, o in zip(chunk, out)]
+        return build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
+                                      teacher_labels=False)
+
+    train_docs, _ = load_split(recipe.corpora)
+    sets = [continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed), out_dir / "chat", "chat")]
+    heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
+    corpus_dir = out_dir / "corpus"
+    if recipe.corpus_sequences:
+        if done(corpus_dir):
+            sets.append(DistillationSet.open(corpus_dir))
+        else:
+            rng = np.random.default_rng(recipe.seed)
+            windows = []
+            stream_docs = [d for d in train_docs if len(d.text) > 4 * recipe.seq_len * 4]
+            for _ in range(recipe.corpus_sequences):
+                doc = stream_docs[rng.integers(len(stream_docs))]
+                start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
+                ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
+                windows.append((ids[: recipe.seq_len], 1))
+            sets.append(build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
+                                               teacher_labels=True))
+    return sets, heldout
+
+
+def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRecipe = DistillRecipe(),
+                         data_only: bool = False) -> dict:
+    import jax
+
+    from specjax.io.dflash import save_drafter
+    from specjax.io.registry import load_model
+    from specjax.models.drafter import DrafterConfig, init_drafter_params
+    from specjax.train.drafter import DrafterTrainConfig, choose_draft_vocab, init_from_target_layers, train_drafter
+    from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
+
+    out_dir = Path(out_dir)
+    model = load_model(model_name)
+    config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
+                                      num_taps=recipe.num_taps)
+    (out_dir).mkdir(parents=True, exist_ok=True)
+    (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids)
+    if data_only:
+        return {"train_tokens": sum(s.num_tokens for s in sets), "heldout_tokens": heldout.num_tokens}
+    _log(f"training on {sum(s.num_tokens for s in sets):,} labelled tokens "
+         f"({', '.join(f'{s.num_sequences} seqs' for s in sets)}); held out {heldout.num_tokens:,}")
+    draft_vocab = None
+    if recipe.draft_vocab_size and recipe.draft_vocab_size < model.config.vocab_size:
+        draft_vocab = choose_draft_vocab(sets, recipe.draft_vocab_size, always=model.eos_token_ids)
+        coverage = _coverage(heldout, draft_vocab)
+        _log(f"draft vocabulary: {len(draft_vocab)} tokens, covering {coverage:.1%} of held-out labels")
+    params = init_drafter_params(config, jax.random.key(recipe.seed))
+    if recipe.init_from_target:
+        top = list(range(model.config.num_layers - recipe.num_layers, model.config.num_layers))
+        params = init_from_target_layers(params, model.params, top)
+    params = train_drafter(
+        model.params, model.config, config, sets, out_dir / "run",
+        OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(200, recipe.steps // 10),
+                        total_steps=recipe.steps),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=max(recipe.steps // 10, 1),
+                   checkpoint_every=max(recipe.steps // 10, 1)),
+        DrafterTrainConfig(sequences_per_batch=recipe.sequences_per_batch,
+                           anchors_per_sequence=recipe.anchors_per_sequence),
+        heldout=heldout,
+        init_params=params,
+        draft_vocab=draft_vocab,
+    )
+    save_drafter(out_dir / "drafter", config, params, model.config, dtype="bfloat16", draft_vocab=draft_vocab)
+    evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_estimate" in m]
+    return {"drafter": str(out_dir / "drafter"), "tau_estimate": evals[-1]["eval/tau_estimate"] if evals else None,
+            "train_tokens": sum(s.num_tokens for s in sets)}
