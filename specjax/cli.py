@@ -73,6 +73,7 @@ def cmd_generate(args) -> int:
     ids, texts = _read_prompts(args)
     model = load_model(args.model)
     prompts = _tokenize(ids, texts, args, model)
+    drafter = _drafter_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
     stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
@@ -87,7 +88,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    result = Engine(model).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
+    result = Engine(model, drafter).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
                                     ignore_eos=args.ignore_eos, method=args.method,
                                     on_tokens=show if stream else None, stream_every=16)
     texts = [decode(t) for t in result.tokens]
@@ -110,8 +111,76 @@ def cmd_generate(args) -> int:
                 print(f"--- prompt {i} ---")
             print(text if text is not None else " ".join(map(str, ids)), flush=True)
     s = result.stats
+    if "tau" in s:
+        accept = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"][:8])
+        print(f"[{s['method']}] tau {s['tau']:.2f}, acceptance by draft position: {accept}", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
+    return 0
+
+
+def _drafter_for(args, model):
+    """The drafter a speculative method needs (None for ar), checked against the target."""
+    from specjax.decode.engine import SPECULATIVE_METHODS
+    from specjax.io.dflash import check_pair
+    from specjax.io.registry import resolve_drafter
+
+    methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
+    if not any(m in SPECULATIVE_METHODS for m in methods):
+        return None
+    drafter = resolve_drafter(args.drafter, args.model)
+    check_pair(drafter, model.config, getattr(args, "block_size", None))
+    return drafter
+
+
+def cmd_bench(args) -> int:
+    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
+    from specjax.decode.bench import format_table, run_bench
+    from specjax.decode.engine import METHODS, Engine
+    from specjax.decode.sampling import SamplingConfig
+    from specjax.io.registry import load_model
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpecjaxError(f"unknown method {unknown[0] if unknown else ''!r}; available: {', '.join(METHODS)}")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    texts = _read_prompt_file(args.prompts_file) if args.prompts_file else list(HELDOUT_CHAT_PROMPTS)
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
+    prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
+    engine = Engine(model, _drafter_for(args, model))
+    report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
+                       repeats=args.repeats, progress=not args.json)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from specjax.data.prompts import DEMO_PROMPTS
+    from specjax.decode.bench import format_table, run_bench
+    from specjax.decode.engine import Engine
+    from specjax.io.registry import load_model, resolve_drafter
+
+    model = load_model(DEFAULT_MODEL)
+    drafter = resolve_drafter("default", DEFAULT_MODEL)
+    engine = Engine(model, drafter)
+    prompts = [model.tokenizer.encode_chat(p) for p in DEMO_PROMPTS]
+    print(f"specjax demo: {DEFAULT_MODEL} with its block-diffusion drafter "
+          f"(block {drafter.config.block_size}, {drafter.config.num_layers} layer), greedy, "
+          f"{args.max_new_tokens} new tokens per prompt.\n", flush=True)
+    report = run_bench(engine, prompts, ["ar", "chain"], args.max_new_tokens, progress=True)
+    for text, ids in zip(DEMO_PROMPTS, report["methods"]["chain"]["outputs"]):
+        print(f">>> {text}\n{model.tokenizer.decode(ids).strip()}\n")
+    print(format_table(report))
+    chain = report["methods"]["chain"]
+    verdict = "identical to" if chain.get("identical_to_ar") else "DIFFERENT from"
+    print(f"\nSpeculative output is {verdict} autoregressive greedy output; "
+          f"measured speedup {chain['speedup_vs_ar']:.2f}x at tau {chain['tau']:.2f} on this machine.")
     return 0
 
 
@@ -183,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as is)")
     gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--method", default="ar", help="decoding method (ar)")
+    gen.add_argument("--method", default="ar", help="decoding method: ar or chain (speculative)")
+    gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
+    gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -192,6 +263,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="use --prompt text as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--drafter", default="default")
+    bench.add_argument("--methods", default="ar,chain", help="comma-separated: ar, chain")
+    bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--no-chat", action="store_true")
+    bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    bench.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter, against autoregressive")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.set_defaults(func=cmd_demo)
 
     models = sub.add_parser("models", help="list the known model names")
     models.set_defaults(func=cmd_models)

