@@ -19,14 +19,6 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain what a hash table is.",
-    "Give me three tips for learning to cook.",
-    "Why is the sky blue?",
-    "Describe a cat to someone who has never seen one.",
-]
 
 
 def main() -> None:
@@ -39,6 +31,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
     from specjax.decode.engine import Engine
     from specjax.io.registry import fetch_packaged_model, load_model
 
@@ -48,7 +41,7 @@ def main() -> None:
     path = fetch_packaged_model("smollm2")
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     n = args.max_new_tokens
-    prompts = [model.tokenizer.encode_chat(p) for p in PROMPTS]
+    prompts = [model.tokenizer.encode_chat(p) for p in HELDOUT_CHAT_PROMPTS[:6]]
 
     compile_s = []
     ours, theirs, ratios = [], [], []
