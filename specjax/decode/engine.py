@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
-from specjax.decode.speculative import draft_block, generate_chain
+from specjax.decode.speculative import draft_chain, generate_chain
 from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.registry import LoadedModel
@@ -53,6 +53,7 @@ class DecodeRequestShape:
     sampling: SamplingConfig
     eos_token_ids: tuple[int, ...]
     streaming: bool
+    denoise_steps: int
 
 
 class Engine:
@@ -90,7 +91,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
-                 stream_every: int = 8) -> GenerationResult:
+                 stream_every: int = 8, denoise_steps: int = 1) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
@@ -104,6 +105,8 @@ class Engine:
         if method in SPECULATIVE_METHODS and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
         self.validate(prompts, max_new_tokens)
+        if method in SPECULATIVE_METHODS and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
+            raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block past their last committed token.
@@ -118,6 +121,7 @@ class Engine:
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
             streaming=on_tokens is not None and method == "ar",
+            denoise_steps=denoise_steps if method in SPECULATIVE_METHODS else 1,
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
@@ -173,7 +177,7 @@ class Engine:
         full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng)
         statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
                        max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
-                       cache_length=shape.cache_length)
+                       cache_length=shape.cache_length, denoise_steps=shape.denoise_steps)
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
@@ -225,10 +229,12 @@ class Engine:
         positions = prompt_lengths[:, None] + jnp.arange(block)
         # Params go in as arguments: closed-over arrays would be baked into the executable as constants.
         head = jax.jit(head_matrix, static_argnums=1)(target_params, tcfg, draft_vocab)
-        draft_fn = jax.jit(lambda tp, dp, ctx, h: draft_block(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h))
+        draft_fn = jax.jit(lambda tp, dp, ctx, h, dv: draft_chain(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h, dv,
+                                                                  shape.sampling, jax.random.key(0),
+                                                                  shape.denoise_steps))
         verify_fn = jax.jit(lambda tp, cache: forward(tp, tcfg, verify_tokens, positions, cache, prompt_lengths,
                                                       hidden_layers=dcfg.target_layer_ids))
-        draft = lambda: draft_fn(target_params, drafter_params, context, head)
+        draft = lambda: draft_fn(target_params, drafter_params, context, head, draft_vocab)
         verify = lambda: verify_fn(target_params, target_cache)
 
         def median_time(fn):

@@ -49,14 +49,18 @@ class ChainState:
 
 
 def draft_block(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
-                last_token, lengths, context_cache: KVCache, head):
+                last_token, lengths, context_cache: KVCache, head, known=None, known_tokens=None):
     """One drafter pass. head: [d, V'] output matrix (the target's LM head, or its draft-vocabulary
-    columns). Returns draft logits [B, K, V'] for positions lengths+1 .. lengths+K (K = block-1)."""
+    columns). known/known_tokens: [B, K] slots already unmasked by earlier denoising passes (default:
+    none). Returns draft logits [B, K, V'] for positions lengths+1 .. lengths+K (K = block-1)."""
     batch, block = last_token.shape[0], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
-    is_mask = jnp.broadcast_to(slot > 0, (batch, block))  # [B, Bk]
+    if known is None:
+        known = jnp.zeros((batch, block - 1), bool)
+        known_tokens = jnp.zeros((batch, block - 1), jnp.int32)
+    is_mask = jnp.concatenate([jnp.zeros((batch, 1), bool), ~known], axis=1)  # [B, Bk]
     fill = drafter_config.mask_token_id if drafter_config.mask_token_id is not None else 0
-    block_tokens = jnp.where(is_mask, fill, last_token[:, None])  # [B, Bk]
+    block_tokens = jnp.concatenate([last_token[:, None], jnp.where(known, known_tokens, fill)], axis=1)  # [B, Bk]
     positions = lengths[:, None] + slot  # [B, Bk]
     drafter = Drafter(drafter_config)
     x = drafter.apply({"params": drafter_params}, embed_tokens(target_params, target_config, block_tokens), is_mask,
@@ -65,6 +69,47 @@ def draft_block(target_params, target_config: TransformerConfig, drafter_params,
     h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
                       lengths)  # [B, Bk, d]
     return jnp.einsum("BKd,dV->BKV", h[:, 1:], head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def draft_chain(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                last_token, lengths, context_cache: KVCache, head, draft_vocab, sampling: SamplingConfig, rng,
+                denoise_steps: int):
+    """Draft K tokens with `denoise_steps` drafter passes. Returns (draft [B, K] token ids, q [B, K, V]
+    draft distributions over the full vocabulary, or None when greedy).
+
+    Each pass unmasks about K/steps more slots, which later passes see as tokens. Greedy drafting
+    unmasks the most confident slots first. Sampled drafting unmasks left to right: the acceptance
+    test needs each q_k to depend only on drafts to its left, otherwise accepting d_k would bias
+    the later drafts it was conditioned on and the output would no longer follow the target.
+    """
+    batch, num_draft = last_token.shape[0], drafter_config.block_size - 1
+    known = jnp.zeros((batch, num_draft), bool)
+    draft_index = jnp.zeros((batch, num_draft), jnp.int32)  # index into the head's vocabulary
+    q = None
+    for step in range(denoise_steps):
+        to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
+        logits = draft_block(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
+                             context_cache, head, known, to_token(draft_index))  # [B, K, V']
+        remaining = num_draft - step * (num_draft // denoise_steps)
+        take = remaining if step == denoise_steps - 1 else num_draft // denoise_steps
+        if sampling.greedy:
+            candidate = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            confidence = jnp.where(known, -jnp.inf, jnp.max(jax.nn.log_softmax(logits), axis=-1))
+        else:
+            q_logits = processed_logits(logits, sampling)
+            candidate = jax.random.categorical(jax.random.fold_in(rng, step), q_logits, axis=-1).astype(jnp.int32)
+            probs = jax.nn.softmax(q_logits, axis=-1)
+            confidence = jnp.where(known, -jnp.inf, -jnp.arange(num_draft, dtype=jnp.float32))  # leftmost first
+        rank = jnp.argsort(jnp.argsort(-confidence, axis=-1), axis=-1)  # 0 = unmask first
+        newly = (~known) & (rank < take)
+        draft_index = jnp.where(newly, candidate, draft_index)
+        if not sampling.greedy:
+            q = probs if q is None else jnp.where(newly[..., None], probs, q)
+        known = known | newly
+    draft = draft_index if draft_vocab is None else jnp.take(draft_vocab, draft_index)
+    if q is not None and draft_vocab is not None:  # back to the full vocabulary: q is 0 off the draft vocabulary
+        q = jnp.zeros(q.shape[:-1] + (target_config.vocab_size,), q.dtype).at[..., draft_vocab].set(q)
+    return draft, q
 
 
 def append_context(drafter_params, drafter_config: DrafterConfig, context_cache: KVCache, features, positions,
@@ -77,18 +122,20 @@ def append_context(drafter_params, drafter_config: DrafterConfig, context_cache:
     )
 
 
-_STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length")
+_STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length",
+           "denoise_steps")
 
 
 @partial(jax.jit, static_argnames=_STATIC)
 def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, *,
                    target_config: TransformerConfig, drafter_config: DrafterConfig, sampling: SamplingConfig,
-                   max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int):
+                   max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int, denoise_steps: int = 1):
     """Speculative generation. Returns (tokens [B, N], num_generated [B], accepted_histogram [B, block]).
 
     draft_vocab: None, or [V'] token ids the drafter may propose (a smaller head is cheaper; tokens
     outside it get draft probability 0, which the acceptance rules handle exactly).
-    cache_length must hold prompt + max_new_tokens + block slots.
+    cache_length must hold prompt + max_new_tokens + block slots. denoise_steps > 1 drafts with
+    several drafter passes per block (see draft_chain); 1 is DFlash's single pass.
     """
     batch, prompt_len = prompt_tokens.shape
     block = drafter_config.block_size
@@ -103,7 +150,6 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
                                    features, positions, jnp.zeros((batch,), jnp.int32))
     first = sample(logits, first_rng, sampling)
     head = head_matrix(target_params, target_config, draft_vocab)  # [d, V'], gathered once, outside the loop
-    to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
     state = ChainState(
         step=jnp.int32(0),
         tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
@@ -122,16 +168,9 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
 
     def one_step(s: ChainState):
         rng, draft_rng, accept_rng = jax.random.split(s.rng, 3)
-        draft_logits = draft_block(target_params, target_config, drafter_params, drafter_config,
-                                   s.last_token, s.lengths, s.context_cache, head)  # [B, K, V']
-        if sampling.greedy:
-            draft = to_token(jnp.argmax(draft_logits, axis=-1).astype(jnp.int32))  # [B, K]
-        else:
-            q_logits = processed_logits(draft_logits, sampling)
-            draft = to_token(jax.random.categorical(draft_rng, q_logits, axis=-1).astype(jnp.int32))
-            q = jax.nn.softmax(q_logits, axis=-1)
-            if draft_vocab is not None:  # back to the full vocabulary: q is 0 off the draft vocabulary
-                q = jnp.zeros(q.shape[:-1] + (target_config.vocab_size,), q.dtype).at[..., draft_vocab].set(q)
+        draft, q = draft_chain(target_params, target_config, drafter_params, drafter_config, s.last_token,
+                               s.lengths, s.context_cache, head, draft_vocab, sampling, draft_rng,
+                               denoise_steps)  # [B, K], [B, K, V] or None
 
         verify_tokens = jnp.concatenate([s.last_token[:, None], draft], axis=1)  # [B, Bk]
         verify_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
