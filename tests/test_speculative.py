@@ -256,3 +256,24 @@ def test_qwen3_style_dflash_checkpoint_with_mask_token(target, tmp_path):
     engine = Engine(target, loaded)
     assert engine.generate(PROMPTS, 10, ignore_eos=True, method="chain").tokens == \
         engine.generate(PROMPTS, 10, ignore_eos=True).tokens
+
+
+def test_training_and_decoding_compute_the_same_draft(target, drafter, tmp_path):
+    """The block-sparse training pass and the cached decode pass give the same logits for a block,
+    so what training optimises is what decoding uses."""
+    from specjax.decode.speculative import append_context, draft_block
+    from specjax.models.drafter import empty_context_cache
+    from specjax.models.transformer import head_matrix
+    from specjax.train.drafter import drafter_block_logits
+
+    data = _distillation_set(target, tmp_path / "data", 3, n=2)
+    tokens, features = jnp.asarray(data.tokens[:1]), jnp.asarray(data.features[:1].astype(np.float32))
+    head = head_matrix(target.params, TINY, None)
+    for anchor in (3, 17):
+        trained = drafter_block_logits(drafter.params, drafter.config, target.params, TINY, tokens, features,
+                                       jnp.asarray([[anchor]]), head)[0, 0]
+        cache = append_context(drafter.params, drafter.config, empty_context_cache(drafter.config, 1, 64),
+                               features[:, :anchor], jnp.arange(anchor)[None], jnp.zeros((1,), jnp.int32))
+        decoded = draft_block(target.params, TINY, drafter.params, drafter.config, tokens[:, anchor],
+                              jnp.asarray([anchor]), cache, head)[0]
+        np.testing.assert_allclose(np.asarray(trained), np.asarray(decoded), atol=1e-4, rtol=1e-4)
