@@ -21,7 +21,8 @@ class SamplingConfig:
     temperature: float = 0.0
     """0 means greedy (argmax); > 0 divides the logits before the softmax."""
     top_k: int = 0
-    """Keep only the k most likely tokens; 0 keeps all."""
+    """Keep only the k most likely tokens; 0 keeps all. Tokens tied with the k-th are kept too, as
+    in transformers; the distribution sampled is exactly the one speculative decoding checks against."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all."""
 

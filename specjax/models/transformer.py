@@ -130,6 +130,8 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
 
     tokens, positions: [B, T] int32 (RoPE positions; need not equal cache slots).
     cache: KVCache with S slots; write_index: [B] int32, the slot where token 0 of each row is written.
+      The caller guarantees write_index + T <= S: XLA clamps an out-of-range write start, which
+      would overwrite committed slots (the Engine sizes caches so this cannot happen).
     block_mask: optional [B, T, T] bool, query x key among the new tokens (default: causal).
     hidden_layers: static decoder-layer indices whose outputs to return (layer i = HF hidden_states[i+1]).
     logit_positions: optional [B, N] int32 indices into T; logits are computed only there.
