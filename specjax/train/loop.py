@@ -44,6 +44,12 @@ class OptimizerConfig:
     """Global gradient-norm clip."""
 
 
+def _tree_norm(tree) -> jax.Array:
+    # optax.tree.norm is the current name; older optax (as on some accelerator images) has global_norm.
+    tree_api = getattr(optax, "tree", None)
+    return tree_api.norm(tree) if hasattr(tree_api, "norm") else optax.global_norm(tree)
+
+
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -177,7 +183,7 @@ def train(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": _tree_norm(grads), **aux}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     # Donating the old state lets XLA update params and moments in place.
