@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
@@ -55,3 +56,51 @@ def smollm2():
     from specjax.io.registry import load_model
 
     return load_model("smollm2")
+
+
+# ---- a tiny target and a drafter trained on it, shared by the speculative and refiner tests ----
+
+SPEC_BLOCK = 4
+
+
+@pytest.fixture(scope="session")
+def target():
+    from specjax.io.registry import LoadedModel
+    from test_decode import TINY, _scaled_params
+
+    return LoadedModel("tiny", TINY, _scaled_params(), tokenizer=None, eos_token_ids=(3,))
+
+
+def tiny_distillation_set(target, folder, seed, n=48):
+    from specjax.decode.engine import Engine
+    from specjax.decode.sampling import SamplingConfig
+    from specjax.models.drafter import DrafterConfig
+    from specjax.train.drafter import build_distillation_set
+    from test_decode import TINY
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n)]
+    out = Engine(target).generate(prompts, 40, SamplingConfig(temperature=1.0), seed=seed, ignore_eos=True).tokens
+    taps = DrafterConfig.for_target(TINY, num_taps=2).target_layer_ids
+    return build_distillation_set(target.params, TINY, [(p + o, len(p)) for p, o in zip(prompts, out)], folder,
+                                  taps, seq_len=48, teacher_labels=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def drafter(target, tmp_path_factory):
+    """A drafter for the tiny target, trained for a few seconds so that drafts are accepted often
+    enough to exercise every branch of the acceptance rules."""
+    from specjax.io.dflash import LoadedDrafter
+    from specjax.models.drafter import DrafterConfig
+    from specjax.train.drafter import DrafterTrainConfig, train_drafter
+    from specjax.train.loop import LoopConfig, OptimizerConfig
+    from test_decode import TINY
+
+    root = tmp_path_factory.mktemp("drafter")
+    train_set, heldout = tiny_distillation_set(target, root / "train", 0), tiny_distillation_set(target, root / "heldout", 1, 8)
+    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=SPEC_BLOCK, num_taps=2)
+    params = train_drafter(target.params, TINY, config, train_set, root / "run",
+                           OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=150),
+                           LoopConfig(steps=150, eval_every=150, checkpoint_every=150, progress=False),
+                           DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=16), heldout=heldout)
+    return LoadedDrafter("tiny-drafter", config, params, TINY.num_layers)

@@ -23,35 +23,8 @@ from specjax.train.drafter import DrafterTrainConfig, DistillationSet, build_dis
 from specjax.train.loop import LoopConfig, OptimizerConfig
 
 from stats import chi_square_pvalue
-from test_decode import TINY, _scaled_params
-
-BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def target():
-    return LoadedModel("tiny", TINY, _scaled_params(), tokenizer=None, eos_token_ids=(3,))
-
-
-def _distillation_set(target, folder, seed, n=48):
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, TINY.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n)]
-    out = Engine(target).generate(prompts, 40, SamplingConfig(temperature=1.0), seed=seed, ignore_eos=True).tokens
-    taps = DrafterConfig.for_target(TINY, num_taps=2).target_layer_ids
-    return build_distillation_set(target.params, TINY, [(p + o, len(p)) for p, o in zip(prompts, out)], folder,
-                                  taps, seq_len=48, teacher_labels=True, progress=False)
-
-
-@pytest.fixture(scope="module")
-def drafter(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("drafter")
-    train_set, heldout = _distillation_set(target, root / "train", 0), _distillation_set(target, root / "heldout", 1, 8)
-    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=BLOCK, num_taps=2)
-    params = train_drafter(target.params, TINY, config, train_set, root / "run",
-                           OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=150),
-                           LoopConfig(steps=150, eval_every=150, checkpoint_every=150, progress=False),
-                           DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=16), heldout=heldout)
-    return LoadedDrafter("tiny-drafter", config, params, TINY.num_layers)
+from conftest import SPEC_BLOCK as BLOCK, tiny_distillation_set
+from test_decode import TINY
 
 
 PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
@@ -137,7 +110,7 @@ def test_a_broken_acceptance_rule_fails_the_same_test(target, drafter, monkeypat
     exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=2)
     monkeypatch.setattr(speculative, "accept_sampled", _broken_impl)
     broken = jax.jit(speculative.generate_chain.__wrapped__, static_argnames=speculative._STATIC)
-    tokens, _, _ = broken(target.params, drafter.params, None, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
+    tokens, *_ = broken(target.params, drafter.params, None, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
                           jax.random.key(3), target_config=TINY, drafter_config=drafter.config, sampling=sampling,
                           max_new_tokens=2, eos_token_ids=(), cache_length=64)
     counts = np.bincount(np.asarray(tokens)[:, 1], minlength=TINY.vocab_size)
@@ -210,7 +183,7 @@ def test_training_with_a_draft_vocabulary(target, tmp_path):
     from specjax.train.drafter import choose_draft_vocab
     from specjax.train.loop import read_metrics
 
-    data = _distillation_set(target, tmp_path / "data", 2, n=16)
+    data = tiny_distillation_set(target, tmp_path / "data", 2, n=16)
     vocab = choose_draft_vocab([data], 6, always=[3])
     counts = np.bincount(np.asarray(data.labels)[np.asarray(data.valid)], minlength=TINY.vocab_size)
     assert 3 in vocab and len(vocab) == 6
@@ -266,7 +239,7 @@ def test_training_and_decoding_compute_the_same_draft(target, drafter, tmp_path)
     from specjax.models.transformer import head_matrix
     from specjax.train.drafter import drafter_block_logits
 
-    data = _distillation_set(target, tmp_path / "data", 3, n=2)
+    data = tiny_distillation_set(target, tmp_path / "data", 3, n=2)
     tokens, features = jnp.asarray(data.tokens[:1]), jnp.asarray(data.features[:1].astype(np.float32))
     head = head_matrix(target.params, TINY, None)
     for anchor in (3, 17):

@@ -17,16 +17,19 @@ import numpy as np
 
 from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
+from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.speculative import draft_chain, generate_chain
 from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
+from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
 from specjax.models.drafter import empty_context_cache
 from specjax.models.cache import KVCache
+from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import forward, head_matrix
 
-METHODS = ("ar", "chain")
-SPECULATIVE_METHODS = ("chain",)
+METHODS = ("ar", "chain", "chain+refiner")
+SPECULATIVE_METHODS = ("chain", "chain+refiner")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -54,16 +57,24 @@ class DecodeRequestShape:
     eos_token_ids: tuple[int, ...]
     streaming: bool
     denoise_steps: int
+    refine: RefineConfig | None
+    """Refinement passes for chain+refiner; None for the other methods."""
 
 
 class Engine:
     """Decodes with one model; keeps compiled executables between calls."""
 
-    def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, prompt_bucket: int = 32):
+    def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, prompt_bucket: int = 32,
+                 refiner: LoadedRefiner | None = None):
         self.model = model
         self.drafter = drafter
+        self.refiner = refiner
         if drafter is not None:
             check_pair(drafter, model.config)
+        if refiner is not None:
+            if drafter is None:
+                raise SpecjaxError("a refiner needs the drafter it refines")
+            check_refiner(refiner, drafter)
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
         self._phase_costs: dict[DecodeRequestShape, tuple[float, float]] = {}
@@ -91,12 +102,14 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
-                 stream_every: int = 8, denoise_steps: int = 1) -> GenerationResult:
+                 stream_every: int = 8, denoise_steps: int = 1,
+                 refine: RefineConfig = RefineConfig()) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
         can show text as it appears. Without it the whole request is one device call.
+        refine: refinement passes per block for method "chain+refiner".
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
@@ -104,6 +117,11 @@ class Engine:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         if method in SPECULATIVE_METHODS and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
+        if method == "chain+refiner":
+            if self.refiner is None:
+                raise SpecjaxError("method 'chain+refiner' needs a refiner")
+            if denoise_steps != 1:
+                raise SpecjaxError("the refiner works on single-pass drafts; use denoise_steps=1 with chain+refiner")
         self.validate(prompts, max_new_tokens)
         if method in SPECULATIVE_METHODS and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
@@ -122,13 +140,14 @@ class Engine:
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
             streaming=on_tokens is not None and method == "ar",
             denoise_steps=denoise_steps if method in SPECULATIVE_METHODS else 1,
+            refine=refine if method == "chain+refiner" else None,
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-        if method == "chain":
+        if method in SPECULATIVE_METHODS:
             return self._generate_chain(shape, args)
 
         statics = dict(config=self.model.config, sampling=sampling, eos_token_ids=shape.eos_token_ids)
@@ -174,17 +193,21 @@ class Engine:
     def _generate_chain(self, shape: DecodeRequestShape, args) -> GenerationResult:
         target_params, prompt_tokens, prompt_lengths, rng = args
         draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
-        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng)
+        refined = shape.refine is not None
+        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
+                     self.refiner.params if refined else None)
         statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
                        max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
-                       cache_length=shape.cache_length, denoise_steps=shape.denoise_steps)
+                       cache_length=shape.cache_length, denoise_steps=shape.denoise_steps,
+                       refiner_config=self.refiner.config if refined else None,
+                       refine=shape.refine if refined else RefineConfig())
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
             self._compiled[shape] = generate_chain.lower(*full_args, **statics).compile()
             compile_s = time.perf_counter() - start
         start = time.perf_counter()
-        tokens, num_generated, histogram = jax.block_until_ready(self._compiled[shape](*full_args))
+        tokens, num_generated, histogram, refine_passes = jax.block_until_ready(self._compiled[shape](*full_args))
         wall_s = time.perf_counter() - start
         tokens, num_generated, histogram = np.asarray(tokens), np.asarray(num_generated), np.asarray(histogram)
         rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
@@ -196,10 +219,11 @@ class Engine:
         # per_position_acceptance[k-1]: fraction of verify steps whose accepted run reached draft slot k.
         reached = histogram.sum(0)[::-1].cumsum()[::-1]  # steps with n >= k, k = 0..K
         per_position = (reached[1:] / steps).tolist() if steps else []
-        draft_cost, verify_cost = self._measure_phases(shape, full_args)
+        draft_cost, verify_cost, refine_cost = self._measure_phases(shape, full_args)
         loop_steps = int(histogram.sum(1).max()) if steps else 0
+        refine_passes = int(refine_passes)
         stats = {
-            "method": "chain",
+            "method": shape.method,
             "tokens_per_s": new_tokens / wall_s,
             "compile_s": compile_s,
             "wall_s": wall_s,
@@ -213,13 +237,18 @@ class Engine:
             "draft_s": loop_steps * draft_cost,
             "verify_s": loop_steps * verify_cost,
         }
+        if refined:
+            stats["refine_s"] = refine_passes * refine_cost
+            # Passes are counted per loop iteration (all rows of the batch refine together).
+            stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
         return GenerationResult(rows, stats)
 
-    def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float]:
-        """Median seconds of one draft pass and one verify pass at this request's shapes (cached)."""
+    def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float, float]:
+        """Median seconds of one draft pass, one verify pass and one refinement pass (0 without a
+        refiner) at this request's shapes (cached)."""
         if shape in self._phase_costs:
             return self._phase_costs[shape]
-        target_params, drafter_params, draft_vocab, _, prompt_lengths, _ = full_args
+        target_params, drafter_params, draft_vocab, _, prompt_lengths, _, refiner_params = full_args
         tcfg, dcfg = self.model.config, self.drafter.config
         batch, block = shape.batch, dcfg.block_size
         context = empty_context_cache(dcfg, batch, shape.cache_length)
@@ -246,5 +275,27 @@ class Engine:
                 times.append(time.perf_counter() - start)
             return float(np.median(times))
 
-        self._phase_costs[shape] = (median_time(draft), median_time(verify))
+        refine_cost = 0.0
+        if shape.refine is not None:
+            rcfg = self.refiner.config
+            num_draft = block - 1
+            vocab = head.shape[1]
+            # The low-rank head is computed once per call in the loop; time it here only once too.
+            low_rank_fn = jax.jit(lambda rp, h: refiner_low_rank_head(rp, rcfg, h))
+            pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, rp, rcfg, lr, batch, num_draft, tcfg.hidden_size,
+                                                                  vocab, shape.sampling))
+            low_rank = low_rank_fn(refiner_params, head)
+            refine_cost = median_time(lambda: pass_fn(target_params, refiner_params, low_rank))
+        self._phase_costs[shape] = (median_time(draft), median_time(verify), refine_cost)
         return self._phase_costs[shape]
+
+
+def _one_refine_pass(target_params, refiner_params, refiner_config, low_rank_head, batch, num_draft, hidden_size,
+                     vocab, sampling):
+    """Exactly one refinement pass at decode shapes, for timing."""
+    hidden = jnp.zeros((batch, num_draft, hidden_size), jnp.float32)
+    logits = jnp.zeros((batch, num_draft, vocab), jnp.float32)
+    embed = lambda i: jnp.take(target_params["embed_tokens"]["embedding"], i, axis=0)
+    return refine_drafts(refiner_params, refiner_config, RefineConfig(max_passes=1, adaptive=False), hidden, logits,
+                         jnp.zeros((batch, hidden_size)), jnp.zeros((batch, num_draft), jnp.int32), embed,
+                         low_rank_head, sampling, jax.random.key(0))

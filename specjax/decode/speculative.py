@@ -15,12 +15,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decode.autoregressive import prefill
+from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits, sample, target_probs
 from specjax.decode.verify import accept_greedy, accept_sampled
+from specjax.errors import SpecjaxError
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values, empty_context_cache
 from specjax.models.layers import attention_mask
+from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
 
 
@@ -46,13 +49,15 @@ class ChainState:
     rng: jax.Array
     accepted_histogram: jax.Array
     """[B, block] int32: verify steps that accepted n drafts, n = 0..block-1."""
+    refine_passes: jax.Array
+    """[] int32: refinement passes run, summed over verify steps."""
 
 
-def draft_block(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
-                last_token, lengths, context_cache: KVCache, head, known=None, known_tokens=None):
-    """One drafter pass. head: [d, V'] output matrix (the target's LM head, or its draft-vocabulary
-    columns). known/known_tokens: [B, K] slots already unmasked by earlier denoising passes (default:
-    none). Returns draft logits [B, K, V'] for positions lengths+1 .. lengths+K (K = block-1)."""
+def draft_block_states(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                       last_token, lengths, context_cache: KVCache, known=None, known_tokens=None):
+    """One drafter pass. known/known_tokens: [B, K] slots already unmasked by earlier denoising passes
+    (default: none). Returns the drafter's final states [B, K, d] of draft slots 1..K (positions
+    lengths+1 .. lengths+K, K = block-1), ready for the LM head."""
     batch, block = last_token.shape[0], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
     if known is None:
@@ -68,20 +73,44 @@ def draft_block(target_params, target_config: TransformerConfig, drafter_params,
     mask = attention_mask(lengths, block, context_cache.max_length, jnp.ones((batch, block, block), bool))
     h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
                       lengths)  # [B, Bk, d]
-    return jnp.einsum("BKd,dV->BKV", h[:, 1:], head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return h[:, 1:]
+
+
+def draft_block(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                last_token, lengths, context_cache: KVCache, head, known=None, known_tokens=None):
+    """One drafter pass through the head: draft logits [B, K, V'] for draft slots 1..K. head: [d, V']
+    output matrix (the target's LM head, or its draft-vocabulary columns)."""
+    h = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
+                           context_cache, known, known_tokens)
+    return jnp.einsum("BKd,dV->BKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+@struct.dataclass
+class RefinerInputs:
+    """A refiner and what it needs per decode call, for draft_chain."""
+
+    params: dict
+    low_rank_head: jax.Array
+    """[rank, V'] the refiner's projection of the head, computed once per call."""
+    config: RefinerConfig = struct.field(pytree_node=False)
+    refine: RefineConfig = struct.field(pytree_node=False)
 
 
 def draft_chain(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
                 last_token, lengths, context_cache: KVCache, head, draft_vocab, sampling: SamplingConfig, rng,
-                denoise_steps: int):
-    """Draft K tokens with `denoise_steps` drafter passes. Returns (draft [B, K] token ids, q [B, K, V]
-    draft distributions over the full vocabulary, or None when greedy).
+                denoise_steps: int, refiner: RefinerInputs | None = None):
+    """Draft K tokens with `denoise_steps` drafter passes, then refine them when a refiner is given.
+    Returns (draft [B, K] token ids, q [B, K, V] draft distributions over the full vocabulary or None
+    when greedy, refinement passes run []).
 
     Each pass unmasks about K/steps more slots, which later passes see as tokens. Greedy drafting
     unmasks the most confident slots first. Sampled drafting unmasks left to right: the acceptance
     test needs each q_k to depend only on drafts to its left, otherwise accepting d_k would bias
     the later drafts it was conditioned on and the output would no longer follow the target.
     """
+    if refiner is not None:
+        return _draft_and_refine(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
+                                 context_cache, head, draft_vocab, sampling, rng, refiner)
     batch, num_draft = last_token.shape[0], drafter_config.block_size - 1
     known = jnp.zeros((batch, num_draft), bool)
     draft_index = jnp.zeros((batch, num_draft), jnp.int32)  # index into the head's vocabulary
@@ -106,10 +135,38 @@ def draft_chain(target_params, target_config: TransformerConfig, drafter_params,
         if not sampling.greedy:
             q = probs if q is None else jnp.where(newly[..., None], probs, q)
         known = known | newly
+    return _to_full_vocabulary(draft_index, q, draft_vocab, target_config.vocab_size) + (jnp.int32(0),)
+
+
+def _to_full_vocabulary(draft_index, q, draft_vocab, vocab_size: int):
+    """Head-vocabulary indices and distributions -> token ids and [.., V] distributions (q is 0 off
+    the draft vocabulary)."""
     draft = draft_index if draft_vocab is None else jnp.take(draft_vocab, draft_index)
-    if q is not None and draft_vocab is not None:  # back to the full vocabulary: q is 0 off the draft vocabulary
-        q = jnp.zeros(q.shape[:-1] + (target_config.vocab_size,), q.dtype).at[..., draft_vocab].set(q)
+    if q is not None and draft_vocab is not None:
+        q = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., draft_vocab].set(q)
     return draft, q
+
+
+def _draft_and_refine(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                      last_token, lengths, context_cache: KVCache, head, draft_vocab, sampling: SamplingConfig, rng,
+                      refiner: RefinerInputs):
+    """One drafter pass, then Jacobi refinement (decode/refine.py); q is the refined distribution."""
+    draft_rng, refine_rng = jax.random.split(rng)
+    hidden = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
+                                context_cache)  # [B, K, d]
+    logits = jnp.einsum("BKd,dV->BKV", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    if sampling.greedy:
+        draft_index = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        draft_index = jax.random.categorical(draft_rng, processed_logits(logits, sampling), axis=-1).astype(jnp.int32)
+    to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
+    embed_index = lambda i: embed_tokens(target_params, target_config, to_token(i))
+    anchor_embed = embed_tokens(target_params, target_config, last_token[:, None])[:, 0]  # [B, d]
+    draft_index, logits, passes = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits,
+                                                anchor_embed, draft_index, embed_index, refiner.low_rank_head,
+                                                sampling, refine_rng)
+    q = None if sampling.greedy else jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
+    return _to_full_vocabulary(draft_index, q, draft_vocab, target_config.vocab_size) + (passes,)
 
 
 def append_context(drafter_params, drafter_config: DrafterConfig, context_cache: KVCache, features, positions,
@@ -123,20 +180,27 @@ def append_context(drafter_params, drafter_config: DrafterConfig, context_cache:
 
 
 _STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length",
-           "denoise_steps")
+           "denoise_steps", "refiner_config", "refine")
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, *,
-                   target_config: TransformerConfig, drafter_config: DrafterConfig, sampling: SamplingConfig,
-                   max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int, denoise_steps: int = 1):
-    """Speculative generation. Returns (tokens [B, N], num_generated [B], accepted_histogram [B, block]).
+def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, refiner_params=None,
+                   *, target_config: TransformerConfig, drafter_config: DrafterConfig, sampling: SamplingConfig,
+                   max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int, denoise_steps: int = 1,
+                   refiner_config: RefinerConfig | None = None, refine: RefineConfig = RefineConfig()):
+    """Speculative generation. Returns (tokens [B, N], num_generated [B], accepted_histogram [B, block],
+    refine_passes [] summed over verify steps).
 
     draft_vocab: None, or [V'] token ids the drafter may propose (a smaller head is cheaper; tokens
     outside it get draft probability 0, which the acceptance rules handle exactly).
     cache_length must hold prompt + max_new_tokens + block slots. denoise_steps > 1 drafts with
-    several drafter passes per block (see draft_chain); 1 is DFlash's single pass.
+    several drafter passes per block (see draft_chain); 1 is DFlash's single pass. With
+    refiner_params and refiner_config, every block is refined (decode/refine.py) before verification.
     """
+    if (refiner_params is None) != (refiner_config is None):
+        raise SpecjaxError("give both refiner_params and refiner_config, or neither")
+    if refiner_config is not None and denoise_steps != 1:
+        raise SpecjaxError("the refiner works on single-pass drafts; use denoise_steps=1 with it")
     batch, prompt_len = prompt_tokens.shape
     block = drafter_config.block_size
     taps = drafter_config.target_layer_ids
@@ -150,6 +214,10 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
                                    features, positions, jnp.zeros((batch,), jnp.int32))
     first = sample(logits, first_rng, sampling)
     head = head_matrix(target_params, target_config, draft_vocab)  # [d, V'], gathered once, outside the loop
+    refiner = None
+    if refiner_config is not None:
+        refiner = RefinerInputs(refiner_params, refiner_low_rank_head(refiner_params, refiner_config, head),
+                                refiner_config, refine)
     state = ChainState(
         step=jnp.int32(0),
         tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
@@ -161,6 +229,7 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
         context_cache=context_cache,
         rng=rng,
         accepted_histogram=jnp.zeros((batch, block), jnp.int32),
+        refine_passes=jnp.int32(0),
     )
 
     def keep_going(s: ChainState):
@@ -168,9 +237,9 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
 
     def one_step(s: ChainState):
         rng, draft_rng, accept_rng = jax.random.split(s.rng, 3)
-        draft, q = draft_chain(target_params, target_config, drafter_params, drafter_config, s.last_token,
-                               s.lengths, s.context_cache, head, draft_vocab, sampling, draft_rng,
-                               denoise_steps)  # [B, K], [B, K, V] or None
+        draft, q, passes = draft_chain(target_params, target_config, drafter_params, drafter_config, s.last_token,
+                                       s.lengths, s.context_cache, head, draft_vocab, sampling, draft_rng,
+                                       denoise_steps, refiner)  # [B, K], [B, K, V] or None, []
 
         verify_tokens = jnp.concatenate([s.last_token[:, None], draft], axis=1)  # [B, Bk]
         verify_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
@@ -206,7 +275,8 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
             context_cache=context_cache,
             rng=rng,
             accepted_histogram=histogram,
+            refine_passes=s.refine_passes + passes,
         )
 
     final = jax.lax.while_loop(keep_going, one_step, state)
-    return final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram
+    return final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram, final.refine_passes

@@ -120,6 +120,25 @@ def resolve_drafter(spec: str, model_name: str):
     return load_drafter(spec)
 
 
+DEFAULT_REFINERS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2" / "refiner"}
+
+
+def resolve_refiner(spec: str, model_name: str):
+    """Load `--refiner`: "default" (the committed refiner of a known model's default drafter) or a folder."""
+    from specjax.io.refiner import load_refiner
+
+    if spec == "default":
+        if model_name not in DEFAULT_REFINERS:
+            raise SpecjaxError(f"there is no default refiner for {model_name!r}; pass --refiner PATH "
+                               f"(defaults exist for: {', '.join(DEFAULT_REFINERS)})")
+        path = DEFAULT_REFINERS[model_name]
+        if not (path / "config.json").exists():
+            raise SpecjaxError(f"the default refiner for {model_name} is missing at {path}; rebuild it with "
+                               "`specjax train-refiner --out runs/refiner-smollm2` (see README)")
+        return load_refiner(path)
+    return load_refiner(spec)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     name: str

@@ -184,6 +184,13 @@ def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_p
                          tokens, features, anchors, head):
     """Logits of every anchor's block in one pass. tokens: [b, T]; features: [b, T, taps, d];
     anchors: [b, A]; head: [d, V'] output matrix. Returns [b, A, B-1, V'] for slots 1..B-1."""
+    h = drafter_block_states(drafter_params, drafter_config, target_params, target_config, tokens, features, anchors)
+    return jnp.einsum("bAKd,dV->bAKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
+                         tokens, features, anchors):
+    """The drafter's final states of every anchor's slots 1..B-1 in one pass: [b, A, B-1, d]."""
     b, seq_len = tokens.shape
     num_anchors, block = anchors.shape[1], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
@@ -204,8 +211,7 @@ def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_p
     sees_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, num_anchors * block, num_anchors * block))
     mask = jnp.concatenate([sees_context, sees_block], axis=2)
     h = drafter.apply({"params": drafter_params}, x, positions, tuple(k for k, _ in kv), tuple(v for _, v in kv), mask)
-    h = h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
-    return jnp.einsum("bAKd,dV->bAKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
 
 
 def _draft_labels(batch: dict, block: int, label_index):
