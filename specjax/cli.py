@@ -74,6 +74,7 @@ def cmd_generate(args) -> int:
     model = load_model(args.model)
     prompts = _tokenize(ids, texts, args, model)
     drafter = _drafter_for(args, model)
+    refiner = _refiner_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
     stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
@@ -88,10 +89,10 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    result = Engine(model, drafter).generate(prompts, args.max_new_tokens, sampling, seed=args.seed,
-                                    ignore_eos=args.ignore_eos, method=args.method,
-                                    on_tokens=show if stream else None, stream_every=16,
-                                    denoise_steps=args.denoise_steps)
+    result = Engine(model, drafter, refiner=refiner).generate(
+        prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
+        on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
+        refine=_refine_config(args))
     texts = [decode(t) for t in result.tokens]
     if args.json:
         single = len(prompts) == 1
@@ -115,6 +116,9 @@ def cmd_generate(args) -> int:
     if "tau" in s:
         accept = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"][:8])
         print(f"[{s['method']}] tau {s['tau']:.2f}, acceptance by draft position: {accept}", file=sys.stderr)
+    if "refine_passes" in s:
+        print(f"[{s['method']}] {s['refine_passes']:.2f} refinement passes per block, refine time "
+              f"{s['refine_s']:.2f} s", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
     return 0
@@ -134,6 +138,22 @@ def _drafter_for(args, model):
     return drafter
 
 
+def _refiner_for(args, model):
+    """The refiner chain+refiner needs (None otherwise); checked against its drafter by the Engine."""
+    from specjax.io.registry import resolve_refiner
+
+    methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
+    if "chain+refiner" not in methods:
+        return None
+    return resolve_refiner(args.refiner, args.model)
+
+
+def _refine_config(args):
+    from specjax.decode.refine import RefineConfig
+
+    return RefineConfig(max_passes=args.refine_passes, adaptive=not args.no_adaptive_refine)
+
+
 def cmd_bench(args) -> int:
     from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
     from specjax.decode.bench import format_table, run_bench
@@ -151,9 +171,10 @@ def cmd_bench(args) -> int:
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
-    engine = Engine(model, _drafter_for(args, model))
+    engine = Engine(model, _drafter_for(args, model), refiner=_refiner_for(args, model))
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
-                       repeats=args.repeats, progress=not args.json)
+                       repeats=args.repeats, progress=not args.json,
+                       options={"chain+refiner": {"refine": _refine_config(args)}})
     if args.json:
         print(json.dumps(report))
     else:
@@ -165,16 +186,20 @@ def cmd_demo(args) -> int:
     from specjax.data.prompts import DEMO_PROMPTS
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
-    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.io.registry import DEFAULT_REFINERS, load_model, resolve_drafter, resolve_refiner
 
     model = load_model(DEFAULT_MODEL)
     drafter = resolve_drafter("default", DEFAULT_MODEL)
-    engine = Engine(model, drafter)
+    has_refiner = (DEFAULT_REFINERS[DEFAULT_MODEL] / "config.json").exists()
+    refiner = resolve_refiner("default", DEFAULT_MODEL) if has_refiner else None
+    engine = Engine(model, drafter, refiner=refiner)
     prompts = [model.tokenizer.encode_chat(p) for p in DEMO_PROMPTS]
+    refined = f", plus its causal refiner ({refiner.config.kind})" if refiner else ""
     print(f"specjax demo: {DEFAULT_MODEL} with its block-diffusion drafter "
-          f"(block {drafter.config.block_size}, {drafter.config.num_layers} layer), greedy, "
+          f"(block {drafter.config.block_size}, {drafter.config.num_layers} layer){refined}, greedy, "
           f"{args.max_new_tokens} new tokens per prompt.\n", flush=True)
-    report = run_bench(engine, prompts, ["ar", "chain"], args.max_new_tokens, progress=True)
+    methods = ["ar", "chain"] + (["chain+refiner"] if refiner else [])
+    report = run_bench(engine, prompts, methods, args.max_new_tokens, progress=True)
     for text, ids in zip(DEMO_PROMPTS, report["methods"]["chain"]["outputs"]):
         print(f">>> {text}\n{model.tokenizer.decode(ids).strip()}\n")
     print(format_table(report))
@@ -182,6 +207,11 @@ def cmd_demo(args) -> int:
     verdict = "identical to" if chain.get("identical_to_ar") else "DIFFERENT from"
     print(f"\nSpeculative output is {verdict} autoregressive greedy output; "
           f"measured speedup {chain['speedup_vs_ar']:.2f}x at tau {chain['tau']:.2f} on this machine.")
+    if refiner:
+        r = report["methods"]["chain+refiner"]
+        verdict = "identical to" if r.get("identical_to_ar") else "DIFFERENT from"
+        print(f"With the refiner: output {verdict} autoregressive, speedup {r['speedup_vs_ar']:.2f}x at tau "
+              f"{r['tau']:.2f} ({r.get('refine_passes', 0):.2f} refinement passes per block).")
     return 0
 
 
@@ -243,6 +273,27 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def cmd_train_refiner(args) -> int:
+    from specjax.train.refiner import RefinerRecipe, train_refiner_recipe
+
+    recipe = RefinerRecipe(kind=args.kind, width=args.width, rank=args.rank, chat_prompts=args.chat_prompts,
+                           corpus_sequences=args.corpus_sequences, steps=args.steps,
+                           learning_rate=args.learning_rate, drafted_input_rate=args.drafted_input_rate,
+                           seed=args.seed)
+    summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
+    print(json.dumps(summary) if args.json else
+          f"refiner written to {summary['refiner']} (held-out tau estimate: drafter "
+          f"{summary.get('tau_drafter', float('nan')):.2f}, refined {summary.get('tau_fixed_point', float('nan')):.2f})")
+    return 0
+
+
+def _add_refiner_options(parser) -> None:
+    parser.add_argument("--refiner", default="default", help="refiner for chain+refiner: default or a refiner folder")
+    parser.add_argument("--refine-passes", type=int, default=2, help="most refinement passes per block (chain+refiner)")
+    parser.add_argument("--no-adaptive-refine", action="store_true",
+                        help="always run every refinement pass (default: stop when a pass changes nothing)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with block-diffusion drafters, in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,10 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as is)")
     gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--method", default="ar", help="decoding method: ar or chain (speculative)")
+    gen.add_argument("--method", default="ar", help="decoding method: ar, chain or chain+refiner (speculative)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
+    _add_refiner_options(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -269,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--drafter", default="default")
-    bench.add_argument("--methods", default="ar,chain", help="comma-separated: ar, chain")
+    bench.add_argument("--methods", default="ar,chain", help="comma-separated: ar, chain, chain+refiner")
+    _add_refiner_options(bench)
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -324,6 +377,23 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--data-only", action="store_true", help="stop after making the distillation data")
     td.add_argument("--json", action="store_true")
     td.set_defaults(func=cmd_train_drafter)
+
+    tr = sub.add_parser("train-refiner", help="train a causal refiner for a frozen drafter (rerun to resume)")
+    tr.add_argument("--model", default=DEFAULT_MODEL)
+    tr.add_argument("--drafter", default="default", help="the drafter to refine: default or a DFlash-format folder")
+    tr.add_argument("--out", required=True, help="run folder: data/, run/ (checkpoints, metrics), refiner/")
+    tr.add_argument("--kind", default="transformer", choices=["transformer", "gru"], help="causal mixer")
+    tr.add_argument("--width", type=int, default=128, help="mixer width")
+    tr.add_argument("--rank", type=int, default=64, help="rank of the logit correction")
+    tr.add_argument("--chat-prompts", type=int, default=768, help="self-distillation prompts from the corpora")
+    tr.add_argument("--corpus-sequences", type=int, default=512, help="teacher-forced corpus windows")
+    tr.add_argument("--steps", type=int, default=1500)
+    tr.add_argument("--learning-rate", type=float, default=2e-3)
+    tr.add_argument("--drafted-input-rate", type=float, default=0.3,
+                    help="scheduled sampling: final share of slots whose left token is the drafter's draft")
+    tr.add_argument("--seed", type=int, default=1, help="data and init seed (differs from the drafter's by default)")
+    tr.add_argument("--json", action="store_true")
+    tr.set_defaults(func=cmd_train_refiner)
     return parser
 
 

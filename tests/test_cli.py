@@ -86,6 +86,8 @@ def tiny_with_tokenizer_and_drafter(tmp_path_factory):
     from specjax.io.dflash import save_drafter
     from specjax.io.hf import load_hf_config
     from specjax.models.drafter import DrafterConfig, init_drafter_params
+    from specjax.io.refiner import save_refiner
+    from specjax.models.refiner import RefinerConfig, drafter_fingerprint, init_refiner_params
     from specjax.train.lm import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("cli_spec")
@@ -95,7 +97,13 @@ def tiny_with_tokenizer_and_drafter(tmp_path_factory):
     tok.save(root / "model")
     config = load_hf_config(root / "model")
     drafter_config = DrafterConfig.for_target(config, num_layers=1, block_size=4, num_taps=1)
-    save_drafter(root / "drafter", drafter_config, init_drafter_params(drafter_config, jax.random.key(0)), config)
+    drafter_params = init_drafter_params(drafter_config, jax.random.key(0))
+    save_drafter(root / "drafter", drafter_config, drafter_params, config)
+    refiner_config = RefinerConfig(hidden_size=config.hidden_size, block_size=4, kind="gru", width=16, rank=8)
+    refiner_params = init_refiner_params(refiner_config, jax.random.key(1))
+    refiner_params["correction"]["kernel"] = jax.random.normal(jax.random.key(2), (16, 8))
+    save_refiner(root / "refiner", refiner_config, refiner_params, drafter_fingerprint(drafter_params))
+    save_refiner(root / "other_refiner", refiner_config, refiner_params, "0000000000000000")
     (root / "prompts.txt").write_text("the cat sat\nthe dog ran to\n")
     return root
 
@@ -114,12 +122,33 @@ def test_generate_chain_json_stats(tiny_with_tokenizer_and_drafter, capsys):
     assert len(chain["stats"]["per_position_acceptance"]) == 3
 
 
+def test_generate_with_refiner(tiny_with_tokenizer_and_drafter, capsys):
+    root = tiny_with_tokenizer_and_drafter
+    base = ["generate", "--model", str(root / "model"), "--prompt", "the cat", "--no-chat", "--max-new-tokens", "9",
+            "--ignore-eos", "--json", "--drafter", str(root / "drafter")]
+    assert main(base) == 0
+    ar = _last_json(capsys)
+    assert main(base + ["--method", "chain+refiner", "--refiner", str(root / "refiner"), "--refine-passes", "3"]) == 0
+    refined = _last_json(capsys)
+    assert refined["tokens"] == ar["tokens"]
+    assert refined["stats"]["method"] == "chain+refiner"
+    assert 1 <= refined["stats"]["refine_passes"] <= 3 and refined["stats"]["refine_s"] > 0
+    assert main(base + ["--method", "chain+refiner", "--refiner", str(root / "other_refiner")]) == 2
+    assert "retrain the refiner" in capsys.readouterr().err
+    assert main(base + ["--method", "chain+refiner", "--refiner", str(root / "drafter")]) == 2
+    assert "not a specjax refiner" in capsys.readouterr().err
+
+
 def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     root = tiny_with_tokenizer_and_drafter
-    assert main(["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods", "ar,chain",
-                 "--prompts-file", str(root / "prompts.txt"), "--max-new-tokens", "6", "--no-chat", "--json"]) == 0
+    assert main(["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods",
+                 "ar,chain,chain+refiner", "--refiner", str(root / "refiner"), "--prompts-file",
+                 str(root / "prompts.txt"), "--max-new-tokens", "6", "--no-chat", "--json"]) == 0
     report = _last_json(capsys)
-    assert set(report["methods"]) == {"ar", "chain"}
+    assert set(report["methods"]) == {"ar", "chain", "chain+refiner"}
+    refined = report["methods"]["chain+refiner"]
+    assert refined["outputs"] == report["methods"]["ar"]["outputs"] and refined["identical_to_ar"]
+    assert refined["refine_passes"] >= 1 and 0 < refined["refine_fraction"] < 1
     ar, chain = report["methods"]["ar"], report["methods"]["chain"]
     assert ar["tau"] is None and chain["tau"] >= 1.0
     assert len(chain["outputs"]) == 2 and chain["outputs"] == ar["outputs"]

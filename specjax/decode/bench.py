@@ -7,31 +7,62 @@ allocation. Speedups are medians of per-prompt ratios against `ar`.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from specjax.decode.engine import Engine
 from specjax.decode.sampling import SamplingConfig
+from specjax.errors import SpecjaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row of a benchmark: a label, the engine and method that produce it, and extra
+    `Engine.generate` options (e.g. refine=RefineConfig(3))."""
+
+    label: str
+    engine: Engine
+    method: str
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequence[str], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
-              progress: bool = True) -> dict:
+              progress: bool = True, options: dict[str, dict] | None = None) -> dict:
+    """Every method on every prompt with one engine. options: per-method generate options."""
+    options = options or {}
+    variants = [Variant(m, engine, m, tuple(sorted(options.get(m, {}).items()))) for m in methods]
+    return run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress)
+
+
+def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
+                 progress: bool = True) -> dict:
+    """Side-by-side runs of labelled variants (several engines allowed, e.g. one per refiner).
+    A variant labelled "ar" is the baseline for speedups and output identity."""
     from tqdm.auto import tqdm
 
-    for method in methods:  # warm-up (and compilation) outside the timing
-        engine.generate([prompts[0]], max_new_tokens, sampling, seed=seed, method=method)
-    speeds = {m: [] for m in methods}
-    outputs = {m: [] for m in methods}
-    histograms = {m: None for m in methods}
-    walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "wall_s": 0.0} for m in methods}
-    with tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress) as bar:
+    labels = [v.label for v in variants]
+    if len(set(labels)) != len(labels):
+        raise SpecjaxError(f"benchmark labels must be distinct, got {labels}")
+    run = lambda v, prompt: v.engine.generate([prompt], max_new_tokens, sampling, seed=seed, method=v.method,
+                                              **dict(v.options))
+    for v in variants:  # warm-up (and compilation) outside the timing
+        run(v, prompts[0])
+    speeds = {m: [] for m in labels}
+    outputs = {m: [] for m in labels}
+    histograms = {m: None for m in labels}
+    walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0} for m in labels}
+    passes = {m: [] for m in labels}
+    with tqdm(total=repeats * len(prompts) * len(variants), desc="bench", disable=not progress) as bar:
         for repeat in range(repeats):
             for prompt in prompts:
-                for method in methods:
-                    result = engine.generate([prompt], max_new_tokens, sampling, seed=seed, method=method)
+                for v in variants:
+                    result = run(v, prompt)
+                    method = v.label
                     speeds[method].append(result.stats["tokens_per_s"])
                     if repeat == 0:
                         outputs[method].append(result.tokens[0])
@@ -39,12 +70,14 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
                     if "accepted_length_histogram" in result.stats:
                         h = np.asarray(result.stats["accepted_length_histogram"])
                         histograms[method] = h if histograms[method] is None else histograms[method] + h
-                        walls[method]["draft_s"] += result.stats["draft_s"]
-                        walls[method]["verify_s"] += result.stats["verify_s"]
+                        for key in ("draft_s", "verify_s", "refine_s"):
+                            walls[method][key] += result.stats.get(key, 0.0)
+                    if "refine_passes" in result.stats:
+                        passes[method].append(result.stats["refine_passes"])
                     bar.update(1)
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,
               "temperature": sampling.temperature, "methods": {}}
-    for method in methods:
+    for method in labels:
         entry = {"tokens_per_s": statistics.median(speeds[method]), "tau": None, "per_position_acceptance": [],
                  "outputs": outputs[method]}
         hist = histograms[method]
@@ -53,9 +86,11 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
             entry["tau"] = float((hist * (np.arange(len(hist)) + 1)).sum() / steps)
             entry["per_position_acceptance"] = (hist[::-1].cumsum()[::-1][1:] / steps).tolist()
             entry["accepted_length_histogram"] = hist.tolist()
-            entry["draft_fraction"] = walls[method]["draft_s"] / walls[method]["wall_s"]
-            entry["verify_fraction"] = walls[method]["verify_s"] / walls[method]["wall_s"]
-        if "ar" in methods and method != "ar":
+            for key in ("draft", "verify", "refine"):
+                entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / walls[method]["wall_s"]
+        if passes[method]:
+            entry["refine_passes"] = float(np.mean(passes[method]))
+        if "ar" in labels and method != "ar":
             entry["speedup_vs_ar"] = statistics.median(
                 s / a for s, a in zip(speeds[method], speeds["ar"]))
             if sampling.greedy:
@@ -65,10 +100,11 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'method':10s} {'tokens/s':>9s} {'speedup':>8s} {'tau':>6s}  per-position acceptance"]
+    width = max([10] + [len(m) for m in report["methods"]])
+    lines = [f"{'method':{width}s} {'tokens/s':>9s} {'speedup':>8s} {'tau':>6s}  per-position acceptance"]
     for method, entry in report["methods"].items():
         speedup = f"{entry['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in entry else "-"
         tau = f"{entry['tau']:.2f}" if entry["tau"] is not None else "-"
         accept = " ".join(f"{a:.2f}" for a in entry["per_position_acceptance"][:8])
-        lines.append(f"{method:10s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s}  {accept}")
+        lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s}  {accept}")
     return "\n".join(lines)
