@@ -387,6 +387,35 @@ def test_archive_serving_another_version_is_named(tmp_path, monkeypatch):
         ensure_downloaded(_fake_artifact(source, "0" * 64), config)
 
 
+def test_stale_package_lists_are_refreshed_once(tmp_path, monkeypatch):
+    """The pinned version is missing only because the local lists are old: one `apt-get update`
+    (as root) and the download goes through, still checked against the sha256 pin."""
+    payload = b"deb bytes"
+    source = tmp_path / "fake.deb"
+    source.write_bytes(payload)
+    calls = []
+
+    def fake_run_tool(command, config, cwd=None):
+        calls.append(command[:2])
+        updated = ["apt-get", "update"] in calls
+        if command[:2] == ["apt-get", "download"]:
+            if not updated:
+                raise ToolError("E: Version '1.0-1' for 'fake' was not found")
+            shutil.copy(source, Path(cwd) / "fake_1.0-1_all.deb")
+            return ""
+        if command[:2] == ["apt-cache", "madison"]:
+            return " fake | 1.0-0 | http://deb.debian.org/debian bookworm/main amd64 Packages\n"
+        return ""
+
+    monkeypatch.setattr(artifacts, "run_tool", fake_run_tool)
+    monkeypatch.setattr(artifacts, "_is_root", lambda: True)
+    import hashlib
+    config = FetchConfig(cache_dir=tmp_path / "cache", progress=False)
+    path = ensure_downloaded(_fake_artifact(source, hashlib.sha256(payload).hexdigest()), config)
+    assert path.read_bytes() == payload
+    assert calls.count(["apt-get", "update"]) == 1
+
+
 def test_tool_errors_name_the_command():
     config = FetchConfig(progress=False)
     with pytest.raises(ToolError, match="no-such-tool-for-specjax --flag.*not installed"):

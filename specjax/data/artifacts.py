@@ -184,8 +184,23 @@ def _download_debian(artifact: PinnedArtifact, staging: Path, config: FetchConfi
     try:
         run_tool(["apt-get", "download", artifact.requirement], config, cwd=staging)
     except ToolError as error:
-        raise _explain_apt_failure(artifact, config, error) from error
+        explained = _explain_apt_failure(artifact, config, error)
+        # A fresh machine's package lists often predate a security update that the pin names;
+        # refreshing them once (root only) is what a user would do by hand.
+        if not isinstance(explained, ArchiveVersionError) or not _is_root():
+            raise explained from error
+        print(f"[specjax.data] {artifact.package} {artifact.version} is not in the local package lists; "
+              "running `apt-get update` once", file=sys.stderr, flush=True)
+        try:
+            run_tool(["apt-get", "update"], config)
+            run_tool(["apt-get", "download", artifact.requirement], config, cwd=staging)
+        except ToolError as retry_error:
+            raise _explain_apt_failure(artifact, config, retry_error) from retry_error
     return _single_file(staging, artifact)
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
 def _explain_apt_failure(artifact: PinnedArtifact, config: FetchConfig, error: ToolError) -> CorpusError:
