@@ -99,6 +99,18 @@ def drafter_config_from_json(cfg: dict, source: str, has_qk_norm: bool) -> tuple
     return config, None if num_target is None else int(num_target)
 
 
+def read_config_folder(folder: str | Path, what: str) -> tuple[Path, dict]:
+    """(folder, its parsed config.json) for a checkpoint folder, or a SpecjaxError naming `what`."""
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not folder.is_dir() or not cfg_path.exists():
+        raise SpecjaxError(f"{folder}: not a {what} folder (config.json missing)")
+    try:
+        return folder, json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecjaxError(f"{cfg_path}: invalid JSON ({e})") from None
+
+
 def load_drafter(folder: str | Path) -> LoadedDrafter:
     """Read a DFlash-format drafter folder, checking every tensor name and shape."""
     import jax
@@ -107,14 +119,8 @@ def load_drafter(folder: str | Path) -> LoadedDrafter:
 
     from specjax.models.drafter import init_drafter_params
 
-    folder = Path(folder)
+    folder, cfg = read_config_folder(folder, "drafter")
     cfg_path = folder / "config.json"
-    if not folder.is_dir() or not cfg_path.exists():
-        raise SpecjaxError(f"{folder}: not a drafter folder (config.json missing)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecjaxError(f"{cfg_path}: invalid JSON ({e})") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecjaxError(f"{folder}: no *.safetensors weight file found")

@@ -55,14 +55,10 @@ def load_refiner(folder: str | Path) -> LoadedRefiner:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    folder = Path(folder)
+    from specjax.io.dflash import read_config_folder
+
+    folder, cfg = read_config_folder(folder, "refiner")
     cfg_path = folder / "config.json"
-    if not folder.is_dir() or not cfg_path.exists():
-        raise SpecjaxError(f"{folder}: not a refiner folder (config.json missing)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecjaxError(f"{cfg_path}: invalid JSON ({e})") from None
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise SpecjaxError(f"{folder}: not a specjax refiner (architectures must include {ARCHITECTURE!r}; "
                            "a drafter folder goes to --drafter)")

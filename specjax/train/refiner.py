@@ -31,8 +31,8 @@ from specjax.models.config import TransformerConfig
 from specjax.models.refiner import (RefinerConfig, drafter_fingerprint, init_refiner_params, refiner_corrections,
                                     refiner_low_rank_head)
 from specjax.models.transformer import embed_tokens, head_matrix
-from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, _draft_labels, drafter_block_states,
-                                   label_index_for, sample_drafter_batch)
+from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, _draft_labels, check_taps,
+                                   drafter_block_states, label_index_for, sample_drafter_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +163,7 @@ def train_refiner(target_params, target_config: TransformerConfig, drafter, refi
     if refiner_config.hidden_size != dcfg.hidden_size or refiner_config.block_size != dcfg.block_size:
         raise SpecjaxError(f"refiner shape (width {refiner_config.hidden_size}, block {refiner_config.block_size}) "
                            f"does not fit the drafter (width {dcfg.hidden_size}, block {dcfg.block_size})")
-    for d in [data] if isinstance(data, DistillationSet) else data:
-        if tuple(d.target_layer_ids) != tuple(dcfg.target_layer_ids):
-            raise SpecjaxError(f"the distillation set holds target layers {d.target_layer_ids}, "
-                               f"the drafter taps {dcfg.target_layer_ids}")
+    check_taps(data, dcfg)
     optimizer = optimizer or OptimizerConfig()
     loop = loop or LoopConfig()
     params = init_refiner_params(refiner_config, jax.random.key(loop.seed))
