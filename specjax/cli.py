@@ -277,7 +277,8 @@ def cmd_train_refiner(args) -> int:
     from specjax.train.refiner import RefinerRecipe, train_refiner_recipe
 
     recipe = RefinerRecipe(kind=args.kind, width=args.width, rank=args.rank, chat_prompts=args.chat_prompts,
-                           corpus_sequences=args.corpus_sequences, steps=args.steps,
+                           corpus_sequences=args.corpus_sequences, everyday_prompts=args.everyday_prompts,
+                           steps=args.steps,
                            learning_rate=args.learning_rate, drafted_input_rate=args.drafted_input_rate,
                            seed=args.seed)
     summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
@@ -387,8 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rank", type=int, default=64, help="rank of the logit correction")
     tr.add_argument("--chat-prompts", type=int, default=768, help="self-distillation prompts from the corpora")
     tr.add_argument("--corpus-sequences", type=int, default=512, help="teacher-forced corpus windows")
+    tr.add_argument("--everyday-prompts", type=int, default=384,
+                    help="self-distillation prompts of everyday requests (the held-out prompts' kind, other topics)")
     tr.add_argument("--steps", type=int, default=1500)
-    tr.add_argument("--learning-rate", type=float, default=2e-3)
+    tr.add_argument("--learning-rate", type=float, default=1e-3)
     tr.add_argument("--drafted-input-rate", type=float, default=0.3,
                     help="scheduled sampling: final share of slots whose left token is the drafter's draft")
     tr.add_argument("--seed", type=int, default=1, help="data and init seed (differs from the drafter's by default)")

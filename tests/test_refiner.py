@@ -20,8 +20,8 @@ from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter
 from specjax.io.refiner import LoadedRefiner, check_refiner, load_refiner, save_refiner
 from specjax.models.drafter import DrafterConfig, init_drafter_params
-from specjax.models.refiner import (RefinerConfig, drafter_fingerprint, init_refiner_params, refiner_corrections,
-                                    refiner_low_rank_head)
+from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
+                                    refiner_corrections, refiner_low_rank_head)
 from specjax.models.transformer import embed_tokens, head_matrix
 from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 from specjax.train.refiner import RefinerTrainConfig, train_refiner
@@ -58,8 +58,9 @@ def test_corrections_are_causal_over_slots(kind):
     hidden = jax.random.normal(jax.random.key(2), (1, 3, TINY.hidden_size))
     left = jax.random.normal(jax.random.key(3), (1, 3, TINY.hidden_size))
     low_rank = refiner_low_rank_head(params, config, jax.random.normal(jax.random.key(4), (TINY.hidden_size, 12)))
-    base = refiner_corrections(params, config, hidden, left, low_rank)
-    changed = refiner_corrections(params, config, hidden, left.at[:, 1].add(1.0), low_rank)
+    confidence = jax.random.normal(jax.random.key(5), (1, 3, 2))
+    base = refiner_corrections(params, config, hidden, left, confidence, low_rank)
+    changed = refiner_corrections(params, config, hidden, left.at[:, 1].add(1.0), confidence, low_rank)
     differs = np.abs(np.asarray(changed - base)).max(axis=-1)[0]  # per slot
     assert differs[0] == 0 and differs[1] > 1e-4 and differs[2] > 1e-4
 
@@ -83,7 +84,8 @@ def test_jacobi_refinement_reaches_the_left_to_right_chain(kind, target, drafter
     chain = np.zeros((batch, num_draft), np.int32)
     for k in range(num_draft):
         left = np.concatenate([np.asarray(anchor)[:, None], chain[:, :-1]], axis=1)
-        corr = refiner_corrections(refiner.params, refiner.config, hidden, embed(jnp.asarray(left)), low_rank)
+        corr = refiner_corrections(refiner.params, refiner.config, hidden, embed(jnp.asarray(left)),
+                                   draft_confidence(logits), low_rank)
         chain[:, k] = np.asarray(jnp.argmax(logits + corr, -1))[:, k]
 
     draft, _, passes = run(RefineConfig(max_passes=num_draft + 1, adaptive=True))

@@ -66,3 +66,47 @@ def training_chat_prompts(documents: Sequence[Document], count: int, seed: int =
         template = rng.choice(_TEMPLATES_CODE if code else _TEMPLATES_PROSE)
         prompts.append(template.format(passage=_passage(doc.text, rng, rng.randint(*passage_words))))
     return prompts
+
+
+# Everyday assistant requests for training: the held-out prompts' kind of request, on other topics.
+# The held-out topics (France, the sea, hash tables, cooking, the sky, cats, tea, exercise, autumn
+# leaves, photosynthesis, weather and climate, vitamin C) are deliberately absent.
+_EVERYDAY_TOPICS = (
+    "the moon", "volcanoes", "the ocean tides", "bees", "a rainbow", "the human heart", "gravity", "electricity",
+    "the internet", "a bicycle", "chess", "the piano", "bread", "coffee", "rice", "apples", "elephants", "dolphins",
+    "owls", "a forest", "the desert", "mountains", "rivers", "snow", "thunderstorms", "the solar system", "Mars",
+    "dinosaurs", "the Roman Empire", "ancient Egypt", "the printing press", "trains", "airplanes", "a lighthouse",
+    "friendship", "honesty", "patience", "sleep", "music", "painting", "libraries", "museums", "gardening",
+    "recycling", "a compass", "maps", "clocks", "money", "banks", "a spreadsheet", "a database", "recursion",
+    "a linked list", "sorting algorithms", "binary numbers", "encryption", "email", "passwords", "robots",
+    "vaccines", "bacteria", "the immune system", "bones", "teeth", "the brain", "memory", "dreams", "the seasons",
+    "spring", "winter", "a city park", "a farm", "cows", "horses", "wolves", "penguins", "spiders", "butterflies",
+    "fish", "coral reefs", "the rain forest", "glaciers", "earthquakes", "wind", "solar power", "batteries",
+    "magnets", "light", "sound", "colors", "triangles", "fractions", "prime numbers", "the alphabet", "poetry",
+    "fairy tales", "a birthday party", "camping", "swimming", "running", "yoga", "football", "tennis", "a marathon",
+)
+_EVERYDAY_TEMPLATES = (
+    "What is {topic}?",
+    "Explain {topic} to a child.",
+    "Write a short poem about {topic}.",
+    "Write a haiku about {topic}.",
+    "Give me three interesting facts about {topic}.",
+    "Describe {topic} to someone who has never seen it.",
+    "Why is {topic} important?",
+    "List five things you know about {topic}.",
+    "Tell me a short story about {topic}.",
+    "What are the advantages and disadvantages of {topic}?",
+    "How would you teach a friend about {topic}?",
+    "Summarize what people should know about {topic}.",
+)
+
+
+def everyday_chat_prompts(count: int, seed: int = 0) -> list[str]:
+    """count everyday assistant requests (template x topic), never one of the held-out prompts."""
+    rng = random.Random(seed)
+    prompts = []
+    while len(prompts) < count:
+        prompt = rng.choice(_EVERYDAY_TEMPLATES).format(topic=rng.choice(_EVERYDAY_TOPICS))
+        if prompt not in HELDOUT_CHAT_PROMPTS:
+            prompts.append(prompt)
+    return prompts

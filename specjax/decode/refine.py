@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from specjax.decode.sampling import SamplingConfig, processed_logits
 from specjax.errors import SpecjaxError
-from specjax.models.refiner import RefinerConfig, refiner_corrections
+from specjax.models.refiner import RefinerConfig, draft_confidence, refiner_corrections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +55,12 @@ def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineC
         noise = jax.random.gumbel(rng, drafter_logits.shape)  # [B, K, V'], shared by every pass
         choose = lambda logits: jnp.argmax(processed_logits(logits, sampling) + noise, axis=-1).astype(jnp.int32)
 
+    confidence = draft_confidence(drafter_logits)  # [B, K, 2], the same for every pass
+
     def one_pass(draft):
         previous = jnp.concatenate([anchor_embed[:, None, :], embed_index(draft[:, :-1])], axis=1)  # [B, K, d]
-        return drafter_logits + refiner_corrections(refiner_params, refiner_config, hidden, previous, low_rank_head)
+        return drafter_logits + refiner_corrections(refiner_params, refiner_config, hidden, previous, confidence,
+                                                    low_rank_head)
 
     def keep_going(carry):
         passes, _, _, changed = carry

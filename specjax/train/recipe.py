@@ -22,6 +22,8 @@ class DistillRecipe:
     """Self-distillation prompts built from the training corpora (the target answers them greedily)."""
     corpus_sequences: int = 512
     """Teacher-forced windows of corpus text."""
+    everyday_prompts: int = 0
+    """Self-distillation prompts of the held-out prompts' kind (everyday requests on other topics)."""
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
@@ -63,7 +65,7 @@ def _coverage(data, draft_vocab) -> float:
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
-    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, training_chat_prompts
+    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, everyday_chat_prompts, training_chat_prompts
     from specjax.decode.engine import Engine
     from specjax.train.drafter import DistillationSet, build_distillation_set
 
@@ -94,6 +96,9 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 
     train_docs, _ = load_split(recipe.corpora)
     sets = [continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed), out_dir / "chat", "chat")]
+    if recipe.everyday_prompts:
+        sets.append(continuations(everyday_chat_prompts(recipe.everyday_prompts, recipe.seed), out_dir / "everyday",
+                                  "everyday chat"))
     heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
     corpus_dir = out_dir / "corpus"
     if recipe.corpus_sequences:

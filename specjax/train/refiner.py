@@ -28,8 +28,8 @@ import optax
 from specjax.errors import SpecjaxError
 from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
-from specjax.models.refiner import (RefinerConfig, drafter_fingerprint, init_refiner_params, refiner_corrections,
-                                    refiner_low_rank_head)
+from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
+                                    refiner_corrections, refiner_low_rank_head)
 from specjax.models.transformer import embed_tokens, head_matrix
 from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, _draft_labels, check_taps,
                                    drafter_block_states, label_index_for, sample_drafter_batch)
@@ -84,7 +84,9 @@ def _left_tokens(batch, num_draft: int):
 def _refined_logits(refiner_params, refiner_config, target_params, target_config, hidden, drafter_logits, left, low_rank):
     b, a, k, d = hidden.shape
     previous = embed_tokens(target_params, target_config, left.reshape(b * a, k))  # [b*A, K, d]
-    correction = refiner_corrections(refiner_params, refiner_config, hidden.reshape(b * a, k, d), previous, low_rank)
+    confidence = draft_confidence(drafter_logits).reshape(b * a, k, 2)
+    correction = refiner_corrections(refiner_params, refiner_config, hidden.reshape(b * a, k, d), previous, confidence,
+                                     low_rank)
     return drafter_logits + correction.reshape(drafter_logits.shape)
 
 
@@ -207,9 +209,12 @@ class RefinerRecipe:
     """Self-distillation prompts (made in out/data unless that folder already holds them)."""
     corpus_sequences: int = 512
     """Teacher-forced corpus windows."""
+    everyday_prompts: int = 384
+    """Self-distillation prompts of everyday requests (the kind of the held-out prompts, on other
+    topics): without them the refiner learns corrections that suit corpus passages only."""
     steps: int = 1500
     """Optimizer steps."""
-    learning_rate: float = 2e-3
+    learning_rate: float = 1e-3
     """Peak AdamW learning rate."""
     drafted_input_rate: float = 0.3
     """Scheduled-sampling rate reached after the ramp."""
@@ -237,7 +242,8 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
     sets, heldout = build_data(model, DistillRecipe(chat_prompts=recipe.chat_prompts,
-                                                    corpus_sequences=recipe.corpus_sequences, seed=recipe.seed),
+                                                    corpus_sequences=recipe.corpus_sequences,
+                                                    everyday_prompts=recipe.everyday_prompts, seed=recipe.seed),
                                out_dir / "data", drafter.config.target_layer_ids)
     _log(f"training a {recipe.kind} refiner on {sum(s.num_tokens for s in sets):,} labelled tokens; "
          f"held out {heldout.num_tokens:,}")
