@@ -54,9 +54,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for label, entry in report["methods"].items():
         tau = entry["tau"]
+        tau_text = "-" if tau is None else f"{tau:.3f}"
+        tau_ratio = "-" if tau is None else f"{tau / chain['tau']:.3f}x"
+        passes = entry.get("refine_passes")
+        passes_text = "-" if passes is None else f"{passes:.2f}"
         print(f"| {label} | {entry['tokens_per_s']:.1f} | {entry.get('speedup_vs_ar', 1.0):.2f}x | "
-              f"{entry['tokens_per_s'] / chain['tokens_per_s']:.2f}x | {tau if tau is None else f'{tau:.3f}'} | "
-              f"{'-' if tau is None else f'{tau / chain['tau']:.3f}x'} | {entry.get('refine_passes', '-')} | "
+              f"{entry['tokens_per_s'] / chain['tokens_per_s']:.2f}x | {tau_text} | {tau_ratio} | {passes_text} | "
               f"{entry.get('refine_fraction', 0):.1%} | {entry.get('identical_to_ar', '-')} |")
     if args.plot:
         import matplotlib

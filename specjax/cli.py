@@ -290,7 +290,7 @@ def cmd_train_refiner(args) -> int:
 
 def _add_refiner_options(parser) -> None:
     parser.add_argument("--refiner", default="default", help="refiner for chain+refiner: default or a refiner folder")
-    parser.add_argument("--refine-passes", type=int, default=2, help="most refinement passes per block (chain+refiner)")
+    parser.add_argument("--refine-passes", type=int, default=1, help="most refinement passes per block (chain+refiner)")
     parser.add_argument("--no-adaptive-refine", action="store_true",
                         help="always run every refinement pass (default: stop when a pass changes nothing)")
 

@@ -29,8 +29,10 @@ from specjax.models.refiner import RefinerConfig, draft_confidence, refiner_corr
 class RefineConfig:
     """How many refinement passes a block gets. Hashable: a static argument of the decode loop."""
 
-    max_passes: int = 2
-    """Upper bound on passes per block (0 turns refinement off)."""
+    max_passes: int = 1
+    """Upper bound on passes per block (0 turns refinement off). One pass measured best for the
+    SmolLM2 refiner on CPU (BENCHMARKS.md): more passes raised tau by under 1% for 2-4x the
+    refinement time."""
     adaptive: bool = True
     """Stop as soon as a pass changes no draft token in any row."""
 

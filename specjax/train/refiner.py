@@ -261,7 +261,7 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
     evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_fixed_point" in m]
     last = evals[-1] if evals else {}
     save_refiner(out_dir / "refiner", config, params, drafter_fingerprint(drafter.params, drafter.draft_vocab),
-                 dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe), "drafter": drafter.source,
+                 dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe), "drafter": drafter_spec,
                                           **{k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}})
     return {"refiner": str(out_dir / "refiner"), **{k.removeprefix("eval/"): v for k, v in last.items()
                                                     if k.startswith("eval/")}}
