@@ -21,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--refiner", action="append", required=True, help="LABEL=FOLDER (repeatable)")
     parser.add_argument("--passes", default="1,2,4", help="comma-separated max refinement passes (adaptive)")
+    parser.add_argument("--keep-confident", default="0", help="comma-separated RefineConfig.keep_confident values")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=12, help="how many built-in held-out prompts")
     parser.add_argument("--json", required=True, help="where to write the report")
@@ -42,8 +43,10 @@ def main() -> None:
         label, _, folder = spec.partition("=")
         engine = Engine(model, drafter, refiner=load_refiner(folder))
         for passes in (int(p) for p in args.passes.split(",")):
-            variants.append(Variant(f"{label} R={passes}", engine, "chain+refiner",
-                                    (("refine", RefineConfig(max_passes=passes)),)))
+            for keep in (float(k) for k in args.keep_confident.split(",")):
+                name = f"{label} R={passes}" + (f" keep>={keep:g}" if keep else "")
+                variants.append(Variant(name, engine, "chain+refiner",
+                                        (("refine", RefineConfig(max_passes=passes, keep_confident=keep)),)))
     prompts = [model.tokenizer.encode_chat(p) for p in HELDOUT_CHAT_PROMPTS[: args.prompts]]
     report = run_variants(variants, prompts, args.max_new_tokens)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

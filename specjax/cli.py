@@ -151,7 +151,8 @@ def _refiner_for(args, model):
 def _refine_config(args):
     from specjax.decode.refine import RefineConfig
 
-    return RefineConfig(max_passes=args.refine_passes, adaptive=not args.no_adaptive_refine)
+    return RefineConfig(max_passes=args.refine_passes, adaptive=not args.no_adaptive_refine,
+                        keep_confident=args.refine_keep_confident)
 
 
 def cmd_bench(args) -> int:
@@ -293,6 +294,8 @@ def _add_refiner_options(parser) -> None:
     parser.add_argument("--refine-passes", type=int, default=1, help="most refinement passes per block (chain+refiner)")
     parser.add_argument("--no-adaptive-refine", action="store_true",
                         help="always run every refinement pass (default: stop when a pass changes nothing)")
+    parser.add_argument("--refine-keep-confident", type=float, default=0.0,
+                        help="leave slots whose drafter top probability is at least this unrefined (0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -96,6 +96,12 @@ def test_jacobi_refinement_reaches_the_left_to_right_chain(kind, target, drafter
     # After one pass, slot 1 already agrees with the chain.
     one, _, _ = run(RefineConfig(max_passes=1))
     assert np.array_equal(np.asarray(one)[:, 0], chain[:, 0])
+    # Slots where the drafter is confident enough keep its logits exactly; the others are refined.
+    _, kept_logits, _ = run(RefineConfig(max_passes=2, keep_confident=0.3))
+    confident = np.asarray(jax.nn.softmax(logits).max(-1)) >= 0.3
+    assert confident.any() and (~confident).any()
+    np.testing.assert_array_equal(np.asarray(kept_logits)[confident], np.asarray(logits)[confident])
+    assert np.abs(np.asarray(kept_logits)[~confident] - np.asarray(logits)[~confident]).max() > 1e-3
     unrefined, unrefined_logits, none = run(RefineConfig(max_passes=0))
     assert int(none) == 0 and np.array_equal(np.asarray(unrefined_logits), np.asarray(logits))
     # Sampling: adaptive stopping returns exactly what running every pass returns.
@@ -119,7 +125,8 @@ def test_an_untrained_refiner_changes_nothing(target, drafter):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("refine", [RefineConfig(1), RefineConfig(3), RefineConfig(2, adaptive=False)])
+@pytest.mark.parametrize("refine", [RefineConfig(1), RefineConfig(3), RefineConfig(2, adaptive=False),
+                                    RefineConfig(2, keep_confident=0.5)])
 def test_greedy_chain_with_refiner_equals_autoregressive(target, drafter, kind, refine):
     engine = Engine(target, drafter, refiner=_perturbed(kind, drafter))
     ar = engine.generate(PROMPTS, 25, ignore_eos=True)
@@ -141,13 +148,14 @@ def test_perturbed_refiner_really_changes_the_drafts(target, drafter):
     assert refined.stats["per_position_acceptance"] != chain.stats["per_position_acceptance"]
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_sampled_chain_with_refiner_matches_the_exact_target_distribution(target, drafter, sampling):
+@pytest.mark.parametrize("sampling,refine", [(SAMPLINGS[0], RefineConfig(2)),
+                                             (SAMPLINGS[1], RefineConfig(2, keep_confident=0.5))])
+def test_sampled_chain_with_refiner_matches_the_exact_target_distribution(target, drafter, sampling, refine):
     prompt = [1, 5, 2]
     exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=3)
     engine = Engine(target, drafter, refiner=_perturbed("gru", drafter, scale=1.5))
     result = engine.generate([prompt] * 20_000, 3, sampling, seed=5, ignore_eos=True, method="chain+refiner",
-                             refine=RefineConfig(2))
+                             refine=refine)
     out = np.asarray(result.tokens)
     assert 0.1 < result.stats["per_position_acceptance"][0] < 0.99  # both branches exercised
     for position in range(3):

@@ -35,10 +35,16 @@ class RefineConfig:
     refinement time."""
     adaptive: bool = True
     """Stop as soon as a pass changes no draft token in any row."""
+    keep_confident: float = 0.0
+    """If > 0, slots where the drafter's top probability is at least this keep the drafter's own
+    logits (0 = refine every slot). Exactness is unaffected: the choice depends only on the
+    drafter's output for the block."""
 
     def __post_init__(self):
         if self.max_passes < 0:
             raise SpecjaxError(f"refine passes must be >= 0, got {self.max_passes}")
+        if not 0.0 <= self.keep_confident <= 1.0:
+            raise SpecjaxError(f"keep_confident must be in [0, 1], got {self.keep_confident}")
 
 
 def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineConfig, hidden, drafter_logits,
@@ -58,11 +64,15 @@ def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineC
         choose = lambda logits: jnp.argmax(processed_logits(logits, sampling) + noise, axis=-1).astype(jnp.int32)
 
     confidence = draft_confidence(drafter_logits)  # [B, K, 2], the same for every pass
+    if refine.keep_confident > 0:
+        refine_slot = confidence[..., :1] < jnp.log(refine.keep_confident)  # [B, K, 1]
+    else:
+        refine_slot = jnp.ones(confidence.shape[:-1] + (1,), bool)
 
     def one_pass(draft):
         previous = jnp.concatenate([anchor_embed[:, None, :], embed_index(draft[:, :-1])], axis=1)  # [B, K, d]
-        return drafter_logits + refiner_corrections(refiner_params, refiner_config, hidden, previous, confidence,
-                                                    low_rank_head)
+        correction = refiner_corrections(refiner_params, refiner_config, hidden, previous, confidence, low_rank_head)
+        return drafter_logits + jnp.where(refine_slot, correction, 0.0)
 
     def keep_going(carry):
         passes, _, _, changed = carry
