@@ -26,7 +26,7 @@ from specjax.io.registry import LoadedModel
 from specjax.models.drafter import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
-from specjax.models.transformer import forward, head_matrix
+from specjax.models.transformer import embed_tokens, forward, head_matrix
 
 METHODS = ("ar", "chain", "chain+refiner")
 SPECULATIVE_METHODS = ("chain", "chain+refiner")
@@ -77,7 +77,7 @@ class Engine:
             check_refiner(refiner, drafter)
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
-        self._phase_costs: dict[DecodeRequestShape, tuple[float, float]] = {}
+        self._phase_costs: dict[DecodeRequestShape, tuple[float, float, float]] = {}
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
@@ -117,11 +117,8 @@ class Engine:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         if method in SPECULATIVE_METHODS and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
-        if method == "chain+refiner":
-            if self.refiner is None:
-                raise SpecjaxError("method 'chain+refiner' needs a refiner")
-            if denoise_steps != 1:
-                raise SpecjaxError("the refiner works on single-pass drafts; use denoise_steps=1 with chain+refiner")
+        if method == "chain+refiner" and self.refiner is None:
+            raise SpecjaxError("method 'chain+refiner' needs a refiner")
         self.validate(prompts, max_new_tokens)
         if method in SPECULATIVE_METHODS and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
@@ -278,24 +275,22 @@ class Engine:
         refine_cost = 0.0
         if shape.refine is not None:
             rcfg = self.refiner.config
-            num_draft = block - 1
-            vocab = head.shape[1]
-            # The low-rank head is computed once per call in the loop; time it here only once too.
-            low_rank_fn = jax.jit(lambda rp, h: refiner_low_rank_head(rp, rcfg, h))
-            pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, rp, rcfg, lr, batch, num_draft, tcfg.hidden_size,
-                                                                  vocab, shape.sampling))
-            low_rank = low_rank_fn(refiner_params, head)
+            # The loop computes the low-rank head once per call, outside the per-block passes timed here.
+            low_rank = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, rcfg, head)
+            pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, tcfg, rp, rcfg, lr, batch, block - 1,
+                                                                  head.shape[1], shape.sampling))
             refine_cost = median_time(lambda: pass_fn(target_params, refiner_params, low_rank))
         self._phase_costs[shape] = (median_time(draft), median_time(verify), refine_cost)
         return self._phase_costs[shape]
 
 
-def _one_refine_pass(target_params, refiner_params, refiner_config, low_rank_head, batch, num_draft, hidden_size,
+def _one_refine_pass(target_params, target_config, refiner_params, refiner_config, low_rank_head, batch, num_draft,
                      vocab, sampling):
     """Exactly one refinement pass at decode shapes, for timing."""
+    hidden_size = target_config.hidden_size
     hidden = jnp.zeros((batch, num_draft, hidden_size), jnp.float32)
     logits = jnp.zeros((batch, num_draft, vocab), jnp.float32)
-    embed = lambda i: jnp.take(target_params["embed_tokens"]["embedding"], i, axis=0)
+    embed = lambda i: embed_tokens(target_params, target_config, i)
     return refine_drafts(refiner_params, refiner_config, RefineConfig(max_passes=1, adaptive=False), hidden, logits,
                          jnp.zeros((batch, hidden_size)), jnp.zeros((batch, num_draft), jnp.int32), embed,
                          low_rank_head, sampling, jax.random.key(0))

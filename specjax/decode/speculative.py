@@ -24,7 +24,7 @@ from specjax.models.config import TransformerConfig
 from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values, empty_context_cache
 from specjax.models.layers import attention_mask
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
-from specjax.models.transformer import embed_tokens, forward, head_matrix
+from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
 
 
 @struct.dataclass
@@ -82,7 +82,7 @@ def draft_block(target_params, target_config: TransformerConfig, drafter_params,
     output matrix (the target's LM head, or its draft-vocabulary columns)."""
     h = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
                            context_cache, known, known_tokens)
-    return jnp.einsum("BKd,dV->BKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return apply_head(h, head)
 
 
 @struct.dataclass
@@ -154,7 +154,7 @@ def _draft_and_refine(target_params, target_config: TransformerConfig, drafter_p
     draft_rng, refine_rng = jax.random.split(rng)
     hidden = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
                                 context_cache)  # [B, K, d]
-    logits = jnp.einsum("BKd,dV->BKV", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    logits = apply_head(hidden, head)  # [B, K, V']
     if sampling.greedy:
         draft_index = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:

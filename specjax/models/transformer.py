@@ -156,6 +156,13 @@ def head_matrix(params, config: TransformerConfig, vocab_ids=None):
     return full if vocab_ids is None else jnp.take(full, vocab_ids, axis=1)
 
 
+def apply_head(normed_hidden, head):
+    """Logits of final-normalised states [..., d] through a head matrix [d, V'] (see head_matrix),
+    accumulated in float32: [..., V']."""
+    return jnp.einsum("...d,dV->...V", normed_hidden, head.astype(normed_hidden.dtype),
+                      preferred_element_type=jnp.float32)
+
+
 def lm_head(params, config: TransformerConfig, normed_hidden):
     """The target's LM head alone, for drafters that share it. [B, N, d] -> [B, N, V] float32."""
     return Transformer(config).apply({"params": params}, normed_hidden, method=Transformer.head_only)

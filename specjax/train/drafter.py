@@ -29,7 +29,7 @@ import optax
 from specjax.errors import SpecjaxError
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values
-from specjax.models.transformer import embed_tokens, head_matrix
+from specjax.models.transformer import apply_head, embed_tokens, head_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +185,7 @@ def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_p
     """Logits of every anchor's block in one pass. tokens: [b, T]; features: [b, T, taps, d];
     anchors: [b, A]; head: [d, V'] output matrix. Returns [b, A, B-1, V'] for slots 1..B-1."""
     h = drafter_block_states(drafter_params, drafter_config, target_params, target_config, tokens, features, anchors)
-    return jnp.einsum("bAKd,dV->bAKV", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return apply_head(h, head)
 
 
 def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,

@@ -30,7 +30,7 @@ from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
 from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
                                     refiner_corrections, refiner_low_rank_head)
-from specjax.models.transformer import embed_tokens, head_matrix
+from specjax.models.transformer import apply_head, embed_tokens, head_matrix
 from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, _draft_labels, check_taps,
                                    drafter_block_states, label_index_for, sample_drafter_batch)
 
@@ -69,7 +69,7 @@ def _drafter_pass(batch, drafter_params, drafter_config: DrafterConfig, target_p
     hidden = drafter_block_states(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
                                   batch["features"], batch["anchors"])
     hidden = jax.lax.stop_gradient(hidden)
-    logits = jnp.einsum("bAKd,dV->bAKV", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    logits = apply_head(hidden, head)  # [b, A, K, V']
     return hidden, logits
 
 
