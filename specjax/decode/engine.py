@@ -8,7 +8,9 @@ recompile.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -18,7 +20,9 @@ import numpy as np
 from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig, refine_drafts
+from specjax.decode.budget import LatencyModel
 from specjax.decode.speculative import draft_chain, generate_chain
+from specjax.decode.tree import (DraftTree, TreeConfig, build_tree, draft_marginals, generate_tree, verify_tree)
 from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
@@ -28,8 +32,10 @@ from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
 
-METHODS = ("ar", "chain", "chain+refiner")
-SPECULATIVE_METHODS = ("chain", "chain+refiner")
+METHODS = ("ar", "chain", "chain+refiner", "tree", "tree+refiner")
+SPECULATIVE_METHODS = ("chain", "chain+refiner", "tree", "tree+refiner")
+REFINED_METHODS = ("chain+refiner", "tree+refiner")
+TREE_METHODS = ("tree", "tree+refiner")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -58,14 +64,18 @@ class DecodeRequestShape:
     streaming: bool
     denoise_steps: int
     refine: RefineConfig | None
-    """Refinement passes for chain+refiner; None for the other methods."""
+    """Refinement passes for the +refiner methods; None for the other methods."""
+    tree: TreeConfig | None
+    """Tree shape and budget for the tree methods; None for the other methods."""
 
 
 class Engine:
     """Decodes with one model; keeps compiled executables between calls."""
 
     def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, prompt_bucket: int = 32,
-                 refiner: LoadedRefiner | None = None):
+                 refiner: LoadedRefiner | None = None, latency_cache: Path | None | bool = True):
+        """latency_cache: where measured tree-verification latencies are kept between processes
+        (True: $SPECJAX_CACHE/latency; False: measure in every new Engine and keep in memory)."""
         self.model = model
         self.drafter = drafter
         self.refiner = refiner
@@ -78,6 +88,11 @@ class Engine:
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
         self._phase_costs: dict[DecodeRequestShape, tuple[float, float, float]] = {}
+        if latency_cache is True:
+            from specjax.io.registry import cache_dir
+            latency_cache = cache_dir() / "latency"
+        self.latency_cache = Path(latency_cache) if latency_cache else None
+        self.latency_models: dict[str, LatencyModel] = {}
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
@@ -103,13 +118,14 @@ class Engine:
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
                  stream_every: int = 8, denoise_steps: int = 1,
-                 refine: RefineConfig = RefineConfig()) -> GenerationResult:
+                 refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig()) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
         can show text as it appears. Without it the whole request is one device call.
-        refine: refinement passes per block for method "chain+refiner".
+        refine: refinement passes per block for the +refiner methods.
+        tree: shape and budget of draft trees for the tree methods.
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
@@ -117,15 +133,21 @@ class Engine:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
         if method in SPECULATIVE_METHODS and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
-        if method == "chain+refiner" and self.refiner is None:
-            raise SpecjaxError("method 'chain+refiner' needs a refiner")
+        if method in REFINED_METHODS and self.refiner is None:
+            raise SpecjaxError(f"method {method!r} needs a refiner")
         self.validate(prompts, max_new_tokens)
         if method in SPECULATIVE_METHODS and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
+        if method in TREE_METHODS and denoise_steps != 1:
+            raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
-        # Speculative rows may write one block past their last committed token.
-        slack = self.drafter.config.block_size if method in SPECULATIVE_METHODS else 0
+        # Speculative rows may write one block (or one tree) past their last committed token.
+        slack = 0
+        if method in SPECULATIVE_METHODS:
+            slack = self.drafter.config.block_size
+        if method in TREE_METHODS:
+            slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
         shape = DecodeRequestShape(
             method=method,
             batch=len(prompts),
@@ -137,13 +159,16 @@ class Engine:
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
             streaming=on_tokens is not None and method == "ar",
             denoise_steps=denoise_steps if method in SPECULATIVE_METHODS else 1,
-            refine=refine if method == "chain+refiner" else None,
+            refine=refine if method in REFINED_METHODS else None,
+            tree=tree if method in TREE_METHODS else None,
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
+        if method in TREE_METHODS:
+            return self._generate_tree(shape, args)
         if method in SPECULATIVE_METHODS:
             return self._generate_chain(shape, args)
 
@@ -208,37 +233,145 @@ class Engine:
         wall_s = time.perf_counter() - start
         tokens, num_generated, histogram = np.asarray(tokens), np.asarray(num_generated), np.asarray(histogram)
         rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
-        new_tokens = int(num_generated.sum())
-        steps = int(histogram.sum())  # verify steps summed over rows
-        lengths = np.arange(histogram.shape[1])
-        # tau: tokens committed per verify step (accepted drafts + the bonus/correction token).
-        tau = float((histogram * (lengths + 1)).sum() / steps) if steps else 0.0
-        # per_position_acceptance[k-1]: fraction of verify steps whose accepted run reached draft slot k.
-        reached = histogram.sum(0)[::-1].cumsum()[::-1]  # steps with n >= k, k = 0..K
-        per_position = (reached[1:] / steps).tolist() if steps else []
         draft_cost, verify_cost, refine_cost = self._measure_phases(shape, full_args)
-        loop_steps = int(histogram.sum(1).max()) if steps else 0
         refine_passes = int(refine_passes)
-        stats = {
-            "method": shape.method,
-            "tokens_per_s": new_tokens / wall_s,
-            "compile_s": compile_s,
-            "wall_s": wall_s,
-            "new_tokens": new_tokens,
-            "tau": tau,
-            "per_position_acceptance": per_position,
-            "accepted_length_histogram": histogram.sum(0).tolist(),
-            "verify_steps": loop_steps,
+        stats = _speculative_stats(shape.method, num_generated, histogram, wall_s, compile_s)
+        loop_steps = stats["verify_steps"]
+        stats.update({
             # The loop is one fused executable; the split is loop_steps x the median cost of the
             # draft and verify passes timed alone at the same shapes.
             "draft_s": loop_steps * draft_cost,
             "verify_s": loop_steps * verify_cost,
-        }
+        })
         if refined:
             stats["refine_s"] = refine_passes * refine_cost
             # Passes are counted per loop iteration (all rows of the batch refine together).
             stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
         return GenerationResult(rows, stats)
+
+    def _generate_tree(self, shape: DecodeRequestShape, args) -> GenerationResult:
+        target_params, prompt_tokens, prompt_lengths, rng = args
+        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
+        refined = shape.refine is not None
+        latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
+        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
+                     latency.costs(), self.refiner.params if refined else None)
+        statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
+                       max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
+                       cache_length=shape.cache_length, tree=shape.tree,
+                       refiner_config=self.refiner.config if refined else None,
+                       refine=shape.refine if refined else RefineConfig())
+        compile_s = 0.0
+        if shape not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[shape] = generate_tree.lower(*full_args, **statics).compile()
+            compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = jax.block_until_ready(self._compiled[shape](*full_args))
+        wall_s = time.perf_counter() - start
+        num_generated, histogram = np.asarray(out.num_generated), np.asarray(out.accepted_histogram)
+        tokens = np.asarray(out.tokens)
+        rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
+        stats = _speculative_stats(shape.method, num_generated, histogram, wall_s, compile_s)
+        buckets = shape.tree.node_buckets(self.drafter.config.block_size - 1)
+        counts = {size: int(c) for size, c in zip(buckets, np.asarray(out.bucket_histogram))}
+        row_steps = int(histogram.sum())
+        predicted_draft = stats["verify_steps"] * latency.fixed_s
+        predicted_verify = sum(c * latency.verify_s[latency.sizes.index(size)] for size, c in counts.items())
+        stats.update({
+            # Split of wall time by the latency model (the loop is one fused executable).
+            "draft_s": predicted_draft,
+            "verify_s": predicted_verify,
+            "tree_nodes_chosen": int(out.chosen_nodes) / row_steps if row_steps else 0.0,
+            "tree_bucket_counts": counts,
+            "tree_nodes_verified": (sum(size * c for size, c in counts.items()) / stats["verify_steps"]
+                                    if stats["verify_steps"] else 0.0),
+            "latency_model": {"sizes": list(latency.sizes), "verify_s": list(latency.verify_s),
+                              "fixed_s": latency.fixed_s},
+        })
+        if refined:
+            stats["refine_passes"] = int(out.refine_passes) / stats["verify_steps"] if stats["verify_steps"] else 0.0
+        if shape.tree.auto and stats["verify_steps"]:
+            latency.observe(stats["verify_steps"], counts, wall_s)
+            self._save_latency(shape, latency)
+        return GenerationResult(rows, stats)
+
+    def _latency_key(self, shape: DecodeRequestShape) -> str:
+        tree = shape.tree
+        sizes = (1,) + tuple(s for s in tree.node_buckets(self.drafter.config.block_size - 1) if s != 1)
+        key = LatencyModel.key(self.model.name, self.model.config, shape.batch, shape.cache_length, sizes)
+        drafted = "refined" if shape.refine is not None else "drafter"
+        return f"{key}|{drafted}|{tree.shape}|k{tree.top_k}|w{tree.width}"
+
+    def _save_latency(self, shape: DecodeRequestShape, latency: LatencyModel) -> None:
+        if self.latency_cache is not None:
+            latency.save(self._latency_key(shape), self.latency_cache)
+
+    def _latency_model(self, shape: DecodeRequestShape, target_params, draft_vocab, prompt_lengths) -> LatencyModel:
+        """The verify-cost curve and per-step fixed cost for this request's shapes: from memory, from
+        the on-disk cache, or measured now (once per machine, model, batch and cache length)."""
+        key = self._latency_key(shape)
+        if key in self.latency_models:
+            return self.latency_models[key]
+        latency = LatencyModel.load(key, self.latency_cache) if self.latency_cache is not None else None
+        if latency is None:
+            latency = self._measure_latency(shape, target_params, draft_vocab, prompt_lengths)
+            self._save_latency(shape, latency)
+        self.latency_models[key] = latency
+        return latency
+
+    def _measure_latency(self, shape: DecodeRequestShape, target_params, draft_vocab, prompt_lengths,
+                         repeats: int = 5) -> LatencyModel:
+        from tqdm.auto import tqdm
+
+        tcfg, dcfg = self.model.config, self.drafter.config
+        batch, num_draft = shape.batch, dcfg.block_size - 1
+        tree_config = shape.tree
+        sizes = [1] + [s for s in tree_config.node_buckets(num_draft) if s != 1]
+        target_cache = KVCache.zeros(tcfg, batch, shape.cache_length)
+        context = empty_context_cache(dcfg, batch, shape.cache_length)
+        last = jnp.zeros((batch,), jnp.int32)
+        head = jax.jit(head_matrix, static_argnums=1)(target_params, tcfg, draft_vocab)
+        refiner = None
+        if shape.refine is not None:
+            from specjax.decode.speculative import RefinerInputs
+            rcfg = self.refiner.config
+            refiner = RefinerInputs(self.refiner.params, jax.jit(refiner_low_rank_head, static_argnums=1)(
+                self.refiner.params, rcfg, head), rcfg, shape.refine)
+        max_nodes = tree_config.node_buckets(num_draft)[-1]
+
+        def fixed_part(tp, dp, ctx, h, dv, ref):
+            logits, _ = draft_marginals(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h, dv, ref)
+            return build_tree(last, logits, dv, tree_config, shape.sampling, max_nodes)
+
+        def verify_part(tp, cache, size):
+            # A chain-shaped tree of `size` nodes: cost depends on the node count, not the shape.
+            depth = jnp.minimum(jnp.arange(size, dtype=jnp.int32), num_draft)
+            nodes = DraftTree(token=jnp.zeros((batch, size), jnp.int32),
+                              parent=jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32) - 1, (batch, size)),
+                              depth=jnp.broadcast_to(depth, (batch, size)),
+                              log_prob=jnp.zeros((batch, size)), valid=jnp.ones((batch, size), bool))
+            return verify_tree(tp, tcfg, nodes, prompt_lengths, cache, dcfg.target_layer_ids, shape.sampling,
+                               jax.random.key(0), num_draft)
+
+        def median_time(fn):
+            jax.block_until_ready(fn())
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append(time.perf_counter() - start)
+            return float(np.median(times))
+
+        print(f"[specjax] measuring tree verification latency at batch {batch}, cache {shape.cache_length} "
+              f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
+        verify_s = []
+        for size in tqdm(sizes, desc="latency", leave=False, disable=not sys.stderr.isatty()):
+            fn = jax.jit(verify_part, static_argnums=2)
+            verify_s.append(median_time(lambda: fn(target_params, target_cache, size)))
+        fixed = jax.jit(fixed_part)
+        fixed_s = median_time(lambda: fixed(target_params, self.drafter.params, context, head, draft_vocab, refiner))
+        return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)
 
     def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float, float]:
         """Median seconds of one draft pass, one verify pass and one refinement pass (0 without a
@@ -282,6 +415,29 @@ class Engine:
             refine_cost = median_time(lambda: pass_fn(target_params, refiner_params, low_rank))
         self._phase_costs[shape] = (median_time(draft), median_time(verify), refine_cost)
         return self._phase_costs[shape]
+
+
+def _speculative_stats(method: str, num_generated, histogram, wall_s: float, compile_s: float) -> dict:
+    """Stats shared by chain and tree decoding, from the [B, block] accepted-length histogram."""
+    new_tokens = int(num_generated.sum())
+    steps = int(histogram.sum())  # verify steps summed over rows
+    lengths = np.arange(histogram.shape[1])
+    # tau: tokens committed per verify step (accepted drafts + the bonus/correction token).
+    tau = float((histogram * (lengths + 1)).sum() / steps) if steps else 0.0
+    # per_position_acceptance[k-1]: fraction of verify steps whose accepted run reached draft slot k.
+    reached = histogram.sum(0)[::-1].cumsum()[::-1]  # steps with n >= k, k = 0..K
+    return {
+        "method": method,
+        "tokens_per_s": new_tokens / wall_s,
+        "compile_s": compile_s,
+        "wall_s": wall_s,
+        "new_tokens": new_tokens,
+        "tau": tau,
+        "per_position_acceptance": (reached[1:] / steps).tolist() if steps else [],
+        "accepted_length_histogram": histogram.sum(0).tolist(),
+        # Loop iterations: every row verifies in each one until the last row is done.
+        "verify_steps": int(histogram.sum(1).max()) if steps else 0,
+    }
 
 
 def _one_refine_pass(target_params, target_config, refiner_params, refiner_config, low_rank_head, batch, num_draft,

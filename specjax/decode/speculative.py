@@ -179,6 +179,39 @@ def append_context(drafter_params, drafter_config: DrafterConfig, context_cache:
     )
 
 
+def start_speculation(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                      prompt_tokens, prompt_lengths, cache_length: int, sampling: SamplingConfig, rng):
+    """Prefill the target, fill the drafter's context cache with the prompt's features, and sample
+    the first token. Returns (first [B], target_cache, context_cache)."""
+    batch, prompt_len = prompt_tokens.shape
+    logits, target_cache, features = prefill(target_params, target_config, prompt_tokens, prompt_lengths,
+                                             cache_length, hidden_layers=drafter_config.target_layer_ids)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    context_cache = append_context(drafter_params, drafter_config, empty_context_cache(drafter_config, batch, cache_length),
+                                   features, positions, jnp.zeros((batch,), jnp.int32))
+    return sample(logits, rng, sampling), target_cache, context_cache
+
+
+def commit_tokens(tokens, num_generated, done, accepted_drafts, n, next_token, eos, max_new_tokens: int):
+    """Write one verify step's tokens: d_1..d_n then next_token (n+1 tokens) at num_generated.
+
+    tokens: [B, N + slack]; accepted_drafts: [B, K] (only the first n count); n, next_token: [B].
+    Rows that are done stay as they are; a row is done after EOS or N tokens. Returns (tokens,
+    num_generated, done, advance [B]: how far the row's cache length moves)."""
+    num_draft = accepted_drafts.shape[1]
+    slot = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
+    shifted = jnp.concatenate([accepted_drafts, jnp.zeros_like(accepted_drafts[:, :1])], axis=1)  # [B, K+1]
+    new_tokens = jnp.where(slot < n[:, None], shifted, next_token[:, None])
+    is_eos = jnp.isin(new_tokens, eos) & (slot <= n[:, None])
+    first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), num_draft + 1)
+    committed = jnp.minimum(n + 1, first_eos + 1)
+    live = ~done
+    tokens = jnp.where(live[:, None], write_rows(tokens, new_tokens, num_generated), tokens)
+    num_generated = jnp.minimum(num_generated + committed * live, max_new_tokens)
+    done = done | (live & (first_eos <= num_draft)) | (num_generated >= max_new_tokens)
+    return tokens, num_generated, done, (n + 1) * live
+
+
 _STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length",
            "denoise_steps", "refiner_config", "refine")
 
@@ -201,18 +234,14 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
         raise SpecjaxError("give both refiner_params and refiner_config, or neither")
     if refiner_config is not None and denoise_steps != 1:
         raise SpecjaxError("the refiner works on single-pass drafts; use denoise_steps=1 with it")
-    batch, prompt_len = prompt_tokens.shape
+    batch = prompt_tokens.shape[0]
     block = drafter_config.block_size
     taps = drafter_config.target_layer_ids
     eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
     rng, first_rng = jax.random.split(rng)
-
-    logits, target_cache, features = prefill(target_params, target_config, prompt_tokens, prompt_lengths,
-                                             cache_length, hidden_layers=taps)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    context_cache = append_context(drafter_params, drafter_config, empty_context_cache(drafter_config, batch, cache_length),
-                                   features, positions, jnp.zeros((batch,), jnp.int32))
-    first = sample(logits, first_rng, sampling)
+    first, target_cache, context_cache = start_speculation(target_params, target_config, drafter_params, drafter_config,
+                                                           prompt_tokens, prompt_lengths, cache_length, sampling,
+                                                           first_rng)
     head = head_matrix(target_params, target_config, draft_vocab)  # [d, V'], gathered once, outside the loop
     refiner = None
     if refiner_config is not None:
@@ -250,17 +279,10 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
         else:
             n, next_token = accept_sampled(draft, q, target_probs(out.logits, sampling), accept_rng)
 
-        # Committed this step: d_1..d_n then next_token (n+1 tokens), written at num_generated.
-        slot = jnp.arange(block, dtype=jnp.int32)[None, :]
-        draft_shifted = jnp.concatenate([draft, jnp.zeros_like(draft[:, :1])], axis=1)  # [B, Bk]
-        new_tokens = jnp.where(slot < n[:, None], draft_shifted, next_token[:, None])
-        is_eos = jnp.isin(new_tokens, eos) & (slot <= n[:, None])
-        first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), block)
-        committed = jnp.minimum(n + 1, first_eos + 1)
+        tokens, num_generated, done, advance = commit_tokens(s.tokens, s.num_generated, s.done, draft, n, next_token,
+                                                             eos, max_new_tokens)
         live = ~s.done
-        tokens = jnp.where(live[:, None], write_rows(s.tokens, new_tokens, s.num_generated), s.tokens)
-        num_generated = jnp.minimum(s.num_generated + committed * live, max_new_tokens)
-        advance = (n + 1) * live
+        slot = jnp.arange(block, dtype=jnp.int32)[None, :]
         context_cache = append_context(drafter_params, drafter_config, s.context_cache, out.hidden,
                                        verify_positions, s.lengths)
         histogram = s.accepted_histogram + live[:, None] * (slot == n[:, None])
@@ -270,7 +292,7 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
             num_generated=num_generated,
             last_token=next_token,
             lengths=s.lengths + advance,
-            done=s.done | (live & (first_eos < block)) | (num_generated >= max_new_tokens),
+            done=done,
             target_cache=out.cache,
             context_cache=context_cache,
             rng=rng,

@@ -63,8 +63,14 @@ class TransformerConfig:
     """HF architecture name, kept for error messages and for saving."""
     dtype: str = "float32"
     """Compute dtype of activations. float32 is the fast choice on CPU."""
+    attention: str = "xla"
+    """Attention implementation: "xla" (dense masked attention over every cache slot) or "pallas"
+    (the tree-attention kernel in specjax/pallas_kernels, which skips cache blocks past each row's
+    length; it runs interpreted, and slowly, on CPU). Both compute the same function."""
 
     def __post_init__(self):
+        if self.attention not in ("xla", "pallas"):
+            raise ValueError(f"attention must be 'xla' or 'pallas', got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

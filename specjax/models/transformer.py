@@ -19,13 +19,16 @@ from flax import struct
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, rope_tables
+from specjax.pallas_kernels.tree_attention import tree_attention_op
 
 
 class Attention(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask):
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask):
+        """mask: [B, T, S] for the XLA path; block_mask: [B, T, T] among the new tokens (causal when
+        None), the structured form the kernel takes instead of a dense mask."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         batch, num_new, _ = x.shape
@@ -39,7 +42,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
         cached_k = write_rows(cached_k, k, write_index)  # [B, S, K, D]
         cached_v = write_rows(cached_v, v, write_index)
-        out = grouped_query_attention(q, cached_k, cached_v, mask)  # [B, T, H, D]
+        if cfg.attention == "pallas":
+            if block_mask is None:
+                block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
+            # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
+            out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
+                                    implementation="pallas")  # [B, T, H, D]
+        else:
+            out = grouped_query_attention(q, cached_k, cached_v, mask)  # [B, T, H, D]
         out = nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype, name="o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
@@ -50,11 +60,12 @@ class DecoderLayer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask):
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         attn_out, cached_k, cached_v = Attention(cfg, name="self_attn")(
-            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cached_k, cached_v, write_index, mask
+            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cached_k, cached_v, write_index,
+            mask, block_mask
         )
         x = x + attn_out
         x = x + SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, name="mlp")(
@@ -106,7 +117,7 @@ class Transformer(nn.Module):
         mask = attention_mask(write_index, tokens.shape[1], cache.max_length, block_mask)  # [B, T, S]
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, mask)
+            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, mask, block_mask)
             keys.append(k)
             values.append(v)
             if i in hidden_layers:

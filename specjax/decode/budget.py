@@ -1,0 +1,173 @@
+"""How big a draft tree pays for itself: the acceptance proxy, the stop rule and the latency model.
+
+A step costs T(n) = T_fixed + C(n): drafting and bookkeeping, plus verifying n tree nodes. It
+commits about S(n) = sum of P(v) over the first n nodes in pop order (the root's P = 1 is the
+bonus/correction token). Throughput S/T grows by adding node v exactly when
+    P(v) * (T_fixed + C(n)) > S(n) * (C(n+1) - C(n)),
+which is the stop rule: nodes are added in pop order until the first one that fails it.
+
+C(n) is not a constant of the method: on a CPU verifying 64 tokens costs several decode steps,
+on a GPU about one. So it is measured on this machine for each (model, batch, cache length),
+interpolated between the measured sizes, cached on disk per machine and model, and refitted
+online from the wall time of every decode call (`LatencyModel.observe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class TreeCosts:
+    """The latency model as the jitted loop sees it: dynamic arrays, so refits never recompile."""
+
+    sizes: jax.Array
+    """[M] float32 node counts where verification was measured, increasing (1 first)."""
+    verify_s: jax.Array
+    """[M] float32 seconds of one verify pass at each size."""
+    fixed_s: jax.Array
+    """[] float32 seconds per step that do not depend on the tree size (drafting, bookkeeping)."""
+
+    def verify_cost(self, num_nodes):
+        """C(n) by linear interpolation (constant extrapolation past the ends)."""
+        return jnp.interp(num_nodes.astype(jnp.float32), self.sizes, self.verify_s)
+
+
+def chosen_tree_size(log_prob, valid, costs: TreeCosts, max_nodes: int):
+    """The stop rule per row. log_prob, valid: [B, N] in pop order. Returns [B] int32 node counts
+    (at least 1, the root; at most max_nodes)."""
+    num_nodes = log_prob.shape[1]
+    path_prob = jnp.where(valid, jnp.exp(log_prob), 0.0)  # [B, N]
+    proxy = jnp.cumsum(path_prob, axis=1)  # [B, N]: proxy[:, n-1] = S(n)
+    n = jnp.arange(1, num_nodes, dtype=jnp.int32)  # nodes held before adding node index n
+    cost_now, cost_next = costs.verify_cost(n), costs.verify_cost(n + 1)  # [N-1]
+    pays = path_prob[:, 1:] * (costs.fixed_s + cost_now) > proxy[:, :-1] * (cost_next - cost_now)  # [B, N-1]
+    pays = pays & valid[:, 1:] & (n < max_nodes)
+    return 1 + jnp.sum(jnp.cumprod(pays.astype(jnp.int32), axis=1), axis=1)
+
+
+def machine_id() -> str:
+    """What a measured latency belongs to: the backend's device kind (or the CPU model)."""
+    device = jax.devices()[0]
+    kind = device.device_kind
+    if device.platform == "cpu":
+        kind = f"{_cpu_model()} x{os.cpu_count()}"
+    return f"{device.platform}:{kind}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclasses.dataclass
+class LatencyModel:
+    """Measured per-step costs for one (machine, model, batch, cache length, buckets), refitted
+    online. Observations are whole decode calls: wall = steps * fixed + sum_b count_b * C(b)."""
+
+    sizes: list[int]
+    """Node counts measured, increasing; 1 (a plain decode step) first, then the tree buckets."""
+    verify_s: list[float]
+    """Seconds of one verify pass at each size."""
+    fixed_s: float
+    """Seconds of the size-independent part of a step."""
+    prior_verify_s: list[float] = dataclasses.field(default_factory=list)
+    """The first measurement, which the online fit is pulled toward when data are few."""
+    prior_fixed_s: float = 0.0
+    observations: list[dict] = dataclasses.field(default_factory=list)
+    """{"steps": int, "counts": {size: verify passes}, "wall_s": float} per decode call (newest last)."""
+
+    max_observations = 64
+    prior_weight = 0.3
+    """Ridge weight, in units of one observation's relative error."""
+
+    def __post_init__(self):
+        if not self.prior_verify_s:
+            self.prior_verify_s = list(self.verify_s)
+            self.prior_fixed_s = self.fixed_s
+
+    def costs(self) -> TreeCosts:
+        return TreeCosts(jnp.asarray(self.sizes, jnp.float32), jnp.asarray(self.verify_s, jnp.float32),
+                         jnp.float32(self.fixed_s))
+
+    def observe(self, steps: int, counts: dict[int, int], wall_s: float) -> None:
+        """Add one decode call and refit: a least-squares fit in relative error, with a ridge toward
+        the first measurement so sizes that are rarely used stay where they were measured."""
+        if steps <= 0 or wall_s <= 0:
+            return
+        self.observations.append({"steps": int(steps), "counts": {int(k): int(v) for k, v in counts.items()},
+                                  "wall_s": float(wall_s)})
+        self.observations = self.observations[-self.max_observations:]
+        self._refit()
+
+    def _refit(self) -> None:
+        # Unknowns: fixed_s and C at every measured size except 1, which the tree loop never runs
+        # (it is the anchor of the interpolation, a plain decode step, kept as measured).
+        fitted = self.sizes[1:] if self.sizes[0] == 1 else list(self.sizes)
+        prior = np.array([self.prior_fixed_s] + [self.prior_verify_s[self.sizes.index(s)] for s in fitted])
+        rows, targets = [], []
+        for obs in self.observations:
+            row = [obs["steps"]] + [obs["counts"].get(s, 0) for s in fitted]
+            rows.append(np.array(row, float) / obs["wall_s"])
+            targets.append(1.0)
+        # Ridge rows in relative units: (x_j - prior_j) / prior_j ~ 0.
+        scale = np.maximum(prior, 1e-9)
+        ridge = np.diag(self.prior_weight / scale)
+        a = np.vstack([np.array(rows)] + [ridge])
+        b = np.concatenate([np.array(targets), self.prior_weight * np.ones(len(prior))])
+        solution, *_ = np.linalg.lstsq(a, b, rcond=None)
+        solution = np.clip(solution, 0.2 * prior, 5.0 * prior)
+        self.fixed_s = float(solution[0])
+        for s, value in zip(fitted, solution[1:]):
+            self.verify_s[self.sizes.index(s)] = float(value)
+
+    def predicted_wall_s(self, steps: int, counts: dict[int, int]) -> float:
+        return steps * self.fixed_s + sum(c * self.verify_s[self.sizes.index(s)] for s, c in counts.items())
+
+    # ---- on-disk cache, one file per key ----
+
+    @staticmethod
+    def key(model_name: str, model_config, batch: int, cache_length: int, sizes) -> str:
+        digest = hashlib.sha256(repr((model_name, model_config, batch, cache_length, tuple(sizes))).encode()).hexdigest()
+        return f"{machine_id()}|{model_name}|b{batch}|s{cache_length}|{digest[:12]}"
+
+    @staticmethod
+    def path_for(key: str, folder: Path) -> Path:
+        return folder / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+
+    def save(self, key: str, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        data = {"key": key, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        tmp = self.path_for(key, folder).with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(self.path_for(key, folder))
+
+    @classmethod
+    def load(cls, key: str, folder: Path) -> "LatencyModel | None":
+        path = cls.path_for(key, folder)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if data.pop("key", None) != key:
+            return None
+        data["observations"] = [{**o, "counts": {int(k): v for k, v in o["counts"].items()}}
+                                for o in data.get("observations", [])]
+        return cls(**data)

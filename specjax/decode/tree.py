@@ -1,0 +1,444 @@
+"""Draft trees: built from the drafter's per-depth marginals, verified in one target pass, lossless.
+
+A block drafter gives one distribution per draft slot (depth). A chain keeps only the top token
+per depth; a tree also keeps second choices. Nodes are kept in *pop order* of a best-first
+expansion on path probability P(v) = prod of the marginals along v's path, so P never increases
+along the order, every node's parent comes before it, and the first n nodes always form a tree.
+That makes "how many nodes" a single number, chosen per step by the budget rule (decode/budget.py).
+
+Verification feeds all nodes to the target at once: node v sits at position `length + depth(v)`,
+in its own cache slot, and attends to the committed prefix and to its ancestors only. The target's
+distribution p_v at every node then comes from one forward pass.
+
+Acceptance is the target-first traversal, exact for any tree: draw y_v ~ p_v at every node with
+independent randomness, start at the root, and while y at the current node is the token of one of
+its children, descend into that child. The y at the last node is the bonus (leaf) or correction
+token. Each committed token is a draw from the target's distribution given the tokens before it,
+and since each node's draw is used at most once along the path, drawing them all up front in
+parallel changes nothing. Greedy decoding is the same traversal with y_v = argmax p_v, so it
+reproduces the target's greedy output. The tree itself may be any deterministic function of the
+drafter's output; no draft probability enters the acceptance test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.decode.budget import TreeCosts, chosen_tree_size
+from specjax.decode.refine import RefineConfig, refine_drafts
+from specjax.decode.sampling import SamplingConfig, processed_logits
+from specjax.decode.speculative import (RefinerInputs, append_context, commit_tokens, draft_block_states,
+                                        start_speculation)
+from specjax.errors import SpecjaxError
+from specjax.models.cache import KVCache, write_rows
+from specjax.models.config import TransformerConfig
+from specjax.models.drafter import DrafterConfig
+from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
+from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
+
+TREE_SHAPES = ("best-first", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """How draft trees are shaped and sized. Hashable: a static argument of the decode loop."""
+
+    shape: str = "best-first"
+    """"best-first": grown on path probability, sized per step by the budget rule (or to `budget`).
+    "fixed": the baseline, the drafter's top-1 chain with the `width - 1` next-ranked tokens of every
+    depth as extra leaves, 1 + K * width nodes."""
+    buckets: tuple[int, ...] = (4, 8, 16, 32, 64)
+    """Node counts (root included) the verify pass is compiled for. A step verifies the smallest
+    bucket that holds the chosen tree and fills it with the next nodes in pop order, which cost
+    nothing extra. Every bucket is compiled once, so sizes change per step without recompiling."""
+    budget: int | None = None
+    """None: choose the size per step with the budget rule. An int: always this many nodes
+    (then the only bucket)."""
+    top_k: int = 8
+    """Candidate tokens per depth for best-first trees."""
+    width: int = 2
+    """Tokens per depth of the fixed-shape tree."""
+
+    def __post_init__(self):
+        if self.shape not in TREE_SHAPES:
+            raise SpecjaxError(f"unknown tree shape {self.shape!r}; available: {', '.join(TREE_SHAPES)}")
+        if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise SpecjaxError(f"tree buckets must be increasing positive node counts, got {self.buckets}")
+        if self.budget is not None and self.budget < 1:
+            raise SpecjaxError(f"a tree budget must be at least 1 node (the root), got {self.budget}")
+        if self.top_k < 1 or self.width < 1:
+            raise SpecjaxError(f"top_k and width must be >= 1, got {self.top_k} and {self.width}")
+
+    def node_buckets(self, num_draft: int) -> tuple[int, ...]:
+        """The verify sizes this config compiles for a drafter with num_draft draft slots."""
+        if self.shape == "fixed":
+            return (1 + num_draft * self.width,)
+        if self.budget is not None:
+            return (self.budget,)
+        return self.buckets
+
+    @property
+    def auto(self) -> bool:
+        """Whether the budget rule picks the size each step."""
+        return self.shape == "best-first" and self.budget is None
+
+
+@struct.dataclass
+class DraftTree:
+    """Nodes in pop order; node 0 is the root (the newest committed token)."""
+
+    token: jax.Array
+    """[B, N] int32."""
+    parent: jax.Array
+    """[B, N] int32, -1 at the root."""
+    depth: jax.Array
+    """[B, N] int32, 0 at the root; the draft slot the node fills."""
+    log_prob: jax.Array
+    """[B, N] float32: log P(v), the path's summed log marginals (0 at the root, -inf if invalid)."""
+    valid: jax.Array
+    """[B, N] bool: false for padding nodes (the candidates ran out)."""
+
+    def take(self, num_nodes: int) -> "DraftTree":
+        """The first num_nodes nodes, which form a tree because parents precede children."""
+        return jax.tree.map(lambda a: a[:, :num_nodes], self)
+
+
+def top_candidates(logits, sampling: SamplingConfig, k: int):
+    """Per-depth candidates from draft logits [B, K, V']: (log-probs [B, K, k] descending, head
+    indices [B, K, k]). When sampling, the marginals are the processed (temperature, top-k, top-p)
+    ones, so the tree follows the distribution the target will sample."""
+    if not sampling.greedy:
+        logits = processed_logits(logits, sampling)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, K, V']
+    k = min(k, logits.shape[-1])
+    return jax.lax.top_k(log_probs, k)
+
+
+def best_first_tree(root_token, cand_log_probs, cand_tokens, num_nodes: int) -> DraftTree:
+    """Best-first expansion of one tree per row.
+
+    root_token: [B]; cand_log_probs, cand_tokens: [B, K, k] per-depth candidates, best first.
+    Each pop takes the frontier's most probable candidate and pushes its best child and its
+    next-ranked sibling. Both are no more probable than it, so nodes come out in non-increasing
+    P(v), and every tree node is reached through one of these two moves.
+    """
+    return jax.vmap(lambda r, lp, tk: _best_first_one_row(r, lp, tk, num_nodes))(root_token, cand_log_probs, cand_tokens)
+
+
+def _best_first_one_row(root_token, cand_log_probs, cand_tokens, num_nodes: int) -> DraftTree:
+    depths, k = cand_log_probs.shape  # K draft depths, k candidates each
+    frontier_size = max(2 * num_nodes - 1, 1)  # pop i (i >= 1) pushes into slots 2i-1 and 2i
+    neg_inf = jnp.float32(-jnp.inf)
+    frontier = dict(
+        parent=jnp.zeros((frontier_size,), jnp.int32),
+        depth=jnp.ones((frontier_size,), jnp.int32),
+        rank=jnp.zeros((frontier_size,), jnp.int32),
+        log_prob=jnp.full((frontier_size,), neg_inf).at[0].set(cand_log_probs[0, 0]),
+    )
+    nodes = DraftTree(
+        token=jnp.zeros((num_nodes,), jnp.int32).at[0].set(root_token),
+        parent=jnp.full((num_nodes,), -1, jnp.int32),
+        depth=jnp.zeros((num_nodes,), jnp.int32),
+        log_prob=jnp.full((num_nodes,), neg_inf).at[0].set(0.0),
+        valid=jnp.zeros((num_nodes,), bool).at[0].set(True),
+    )
+
+    def pop(i, carry):
+        frontier, nodes = carry
+        best = jnp.argmax(frontier["log_prob"])
+        log_prob = frontier["log_prob"][best]
+        ok = log_prob > neg_inf
+        parent, depth, rank = frontier["parent"][best], frontier["depth"][best], frontier["rank"][best]
+        nodes = DraftTree(
+            token=nodes.token.at[i].set(cand_tokens[depth - 1, rank]),
+            parent=nodes.parent.at[i].set(jnp.where(ok, parent, -1)),
+            depth=nodes.depth.at[i].set(depth),
+            log_prob=nodes.log_prob.at[i].set(log_prob),
+            valid=nodes.valid.at[i].set(ok),
+        )
+        # Pushes of an invalid pop carry -inf, so they never pop.
+        child_lp = jnp.where(ok & (depth < depths), log_prob + cand_log_probs[jnp.minimum(depth, depths - 1), 0], neg_inf)
+        sibling_lp = jnp.where(ok & (rank + 1 < k),
+                               nodes.log_prob[parent] + cand_log_probs[depth - 1, jnp.minimum(rank + 1, k - 1)], neg_inf)
+        frontier = dict(
+            parent=frontier["parent"].at[2 * i - 1].set(i).at[2 * i].set(parent),
+            depth=frontier["depth"].at[2 * i - 1].set(depth + 1).at[2 * i].set(depth),
+            rank=frontier["rank"].at[2 * i - 1].set(0).at[2 * i].set(rank + 1),
+            log_prob=frontier["log_prob"].at[best].set(neg_inf).at[2 * i - 1].set(child_lp).at[2 * i].set(sibling_lp),
+        )
+        return frontier, nodes
+
+    _, nodes = jax.lax.fori_loop(1, num_nodes, pop, (frontier, nodes))
+    return nodes
+
+
+def fixed_tree(root_token, cand_log_probs, cand_tokens, width: int) -> DraftTree:
+    """The fixed-shape baseline: the top-1 chain, and at every depth the next width-1 candidates as
+    leaves beside it (children of the chain's node one level up). 1 + K * width nodes, in depth order."""
+    batch, depths, _ = cand_log_probs.shape
+    depth = jnp.repeat(jnp.arange(1, depths + 1, dtype=jnp.int32), width)  # [K * w]
+    rank = jnp.tile(jnp.arange(width, dtype=jnp.int32), depths)  # [K * w]
+    # The chain node of depth d is the rank-0 node at index 1 + (d - 1) * width.
+    parent = jnp.where(depth == 1, 0, 1 + (depth - 2) * width)
+    chain_lp = jnp.concatenate([jnp.zeros((batch, 1)), jnp.cumsum(cand_log_probs[:, :, 0], axis=1)], axis=1)  # [B, K+1]
+    log_prob = chain_lp[:, depth - 1] + cand_log_probs[:, depth - 1, rank]  # [B, K * w]
+    cat = lambda root, rest: jnp.concatenate([root, rest], axis=1)
+    return DraftTree(
+        token=cat(root_token[:, None], cand_tokens[:, depth - 1, rank]),
+        parent=cat(jnp.full((batch, 1), -1, jnp.int32), jnp.broadcast_to(parent, (batch, depths * width))),
+        depth=cat(jnp.zeros((batch, 1), jnp.int32), jnp.broadcast_to(depth, (batch, depths * width))),
+        log_prob=cat(jnp.zeros((batch, 1)), log_prob),
+        valid=cat(jnp.ones((batch, 1), bool), log_prob > -jnp.inf),
+    )
+
+
+def ancestor_mask(tree: DraftTree) -> jax.Array:
+    """[B, N, N] bool: query node v may attend to key node u iff u is v itself or an ancestor of v.
+    Invalid nodes see only themselves, so they never disturb valid ones."""
+    batch, num_nodes = tree.parent.shape
+    node = jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32), (batch, num_nodes))
+    mask = jnp.zeros((batch, num_nodes, num_nodes), bool)
+    current = node
+    # Depth is at most N - 1, so N - 1 steps up reach the root from anywhere.
+    for _ in range(num_nodes):
+        mask = mask | ((node[:, None, :] == current[:, :, None]) & (current >= 0)[:, :, None])
+        current = jnp.where(current >= 0, jnp.take_along_axis(tree.parent, jnp.maximum(current, 0), axis=1), -1)
+    # An invalid node's parent chain is meaningless; give it only itself.
+    return jnp.where(tree.valid[:, :, None], mask, jnp.eye(num_nodes, dtype=bool)[None])
+
+
+def accept_tree(tree: DraftTree, target_logits, sampling: SamplingConfig, rng, max_depth: int):
+    """Target-first traversal (module docstring). target_logits: [B, N, V] at every node.
+
+    Returns (n_accepted [B], next_token [B], path [B, max_depth + 1]): path[:, j] is the node at
+    depth j of the accepted path for j <= n, then repeats the last accepted node.
+    """
+    batch, num_nodes = tree.token.shape
+    if sampling.greedy:
+        drawn = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
+    else:
+        drawn = jax.random.categorical(rng, processed_logits(target_logits, sampling), axis=-1).astype(jnp.int32)
+    node = jnp.arange(num_nodes, dtype=jnp.int32)
+    is_child = (tree.parent[:, None, :] == node[None, :, None]) & tree.valid[:, None, :]  # [B, v, c]
+    # Siblings carry distinct tokens, so at most one child matches.
+    matches = is_child & (tree.token[:, None, :] == drawn[:, :, None])  # [B, v, c]
+    next_node = jnp.where(jnp.any(matches, axis=-1), jnp.argmax(matches, axis=-1), -1).astype(jnp.int32)  # [B, N]
+
+    current = jnp.zeros((batch,), jnp.int32)
+    accepted = jnp.zeros((batch,), jnp.int32)
+    path = [current]
+    for _ in range(max_depth):
+        step = jnp.take_along_axis(next_node, current[:, None], axis=1)[:, 0]
+        moved = step >= 0
+        current = jnp.where(moved, step, current)
+        accepted = accepted + moved
+        path.append(current)
+    next_token = jnp.take_along_axis(drawn, current[:, None], axis=1)[:, 0]
+    return accepted, next_token, jnp.stack(path, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode loop
+# ---------------------------------------------------------------------------------------------
+
+@struct.dataclass
+class TreeState:
+    """What the tree loop carries between verify steps."""
+
+    step: jax.Array
+    """[] int32: verify steps done."""
+    tokens: jax.Array
+    """[B, N + block] int32: committed generated tokens."""
+    num_generated: jax.Array
+    """[B] int32, capped at N."""
+    last_token: jax.Array
+    """[B] int32: newest committed token (the next tree's root), not yet in either cache."""
+    lengths: jax.Array
+    """[B] int32: tokens in the target cache == entries in the drafter's context cache."""
+    done: jax.Array
+    """[B] bool."""
+    target_cache: KVCache
+    context_cache: KVCache
+    rng: jax.Array
+    accepted_histogram: jax.Array
+    """[B, block] int32: verify steps that accepted n drafts (reached depth n)."""
+    bucket_histogram: jax.Array
+    """[M] int32: verify steps run at each bucket size."""
+    chosen_nodes: jax.Array
+    """[] int32: node counts the budget rule chose, summed over live rows and steps."""
+    refine_passes: jax.Array
+    """[] int32."""
+
+
+@struct.dataclass
+class TreeOutput:
+    tokens: jax.Array
+    """[B, N] int32."""
+    num_generated: jax.Array
+    """[B] int32."""
+    accepted_histogram: jax.Array
+    """[B, block] int32."""
+    bucket_histogram: jax.Array
+    """[M] int32."""
+    chosen_nodes: jax.Array
+    """[] int32, summed over live rows and steps."""
+    refine_passes: jax.Array
+    """[] int32."""
+
+
+def draft_marginals(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
+                    last_token, lengths, context_cache: KVCache, head, draft_vocab, refiner: RefinerInputs | None):
+    """Per-depth draft logits [B, K, V'] for tree building, and refinement passes run []. With a
+    refiner, the marginals are the refined ones along the refiner's own greedy chain."""
+    hidden = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
+                                context_cache)  # [B, K, d]
+    logits = apply_head(hidden, head)  # [B, K, V']
+    if refiner is None:
+        return logits, jnp.int32(0)
+    to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
+    embed_index = lambda i: embed_tokens(target_params, target_config, to_token(i))
+    anchor_embed = embed_tokens(target_params, target_config, last_token[:, None])[:, 0]  # [B, d]
+    greedy_draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    _, refined, passes = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits, anchor_embed,
+                                       greedy_draft, embed_index, refiner.low_rank_head, SamplingConfig(),
+                                       jax.random.key(0))
+    return refined, passes
+
+
+def build_tree(last_token, draft_logits, draft_vocab, tree: TreeConfig, sampling: SamplingConfig, max_nodes: int):
+    """The step's tree, max_nodes nodes in pop order (best-first) or the fixed shape."""
+    k = tree.width if tree.shape == "fixed" else tree.top_k
+    cand_log_probs, cand_index = top_candidates(draft_logits, sampling, k)  # [B, K, k]
+    cand_tokens = cand_index if draft_vocab is None else jnp.take(draft_vocab, cand_index)
+    if tree.shape == "fixed":
+        return fixed_tree(last_token, cand_log_probs, cand_tokens, tree.width)
+    return best_first_tree(last_token, cand_log_probs, cand_tokens, max_nodes)
+
+
+def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree, lengths, target_cache: KVCache,
+                taps, sampling: SamplingConfig, rng, max_depth: int):
+    """One target pass over every node, then acceptance and cache compaction.
+
+    Returns (n [B], next_token [B], accepted_drafts [B, max_depth], target_cache, path_features
+    [B, max_depth + 1, taps, d]). The accepted path's K/V entries are moved to slots
+    lengths .. lengths + n, where the next step expects them; everything past is invisible garbage."""
+    positions = lengths[:, None] + tree.depth  # [B, N]
+    out = forward(target_params, target_config, tree.token, positions, target_cache, lengths,
+                  block_mask=ancestor_mask(tree), hidden_layers=taps)  # logits [B, N, V], hidden [B, N, taps, d]
+    n, next_token, path = accept_tree(tree, out.logits, sampling, rng, max_depth)  # path [B, K+1]
+    accepted_drafts = jnp.take_along_axis(tree.token, path[:, 1:], axis=1)  # [B, K]
+    source_slots = lengths[:, None] + path  # [B, K+1]
+
+    def compact(layer_cache):  # [B, S, Kh, D]
+        moved = jnp.take_along_axis(layer_cache, source_slots[:, :, None, None], axis=1)  # [B, K+1, Kh, D]
+        return write_rows(layer_cache, moved, lengths)
+
+    cache = KVCache(tuple(compact(k) for k in out.cache.keys), tuple(compact(v) for v in out.cache.values))
+    path_features = jnp.take_along_axis(out.hidden, path[:, :, None, None], axis=1)  # [B, K+1, taps, d]
+    return n, next_token, accepted_drafts, cache, path_features
+
+
+_STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length", "tree",
+           "refiner_config", "refine")
+
+
+@partial(jax.jit, static_argnames=_STATIC)
+def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, costs: TreeCosts,
+                  refiner_params=None, *, target_config: TransformerConfig, drafter_config: DrafterConfig,
+                  sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int,
+                  tree: TreeConfig = TreeConfig(), refiner_config: RefinerConfig | None = None,
+                  refine: RefineConfig = RefineConfig()) -> TreeOutput:
+    """Speculative generation with draft trees, one jitted while_loop.
+
+    costs: the latency model (decode/budget.py) the stop rule uses when tree.auto; a dynamic
+    argument, so refitting it does not recompile. cache_length must hold prompt + max_new_tokens +
+    max(block, largest bucket) slots. With refiner_params/refiner_config the tree is built from the
+    refined marginals.
+    """
+    if (refiner_params is None) != (refiner_config is None):
+        raise SpecjaxError("give both refiner_params and refiner_config, or neither")
+    batch = prompt_tokens.shape[0]
+    block = drafter_config.block_size
+    num_draft = block - 1
+    buckets = tree.node_buckets(num_draft)
+    max_nodes = buckets[-1]
+    taps = drafter_config.target_layer_ids
+    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
+    rng, first_rng = jax.random.split(rng)
+    first, target_cache, context_cache = start_speculation(target_params, target_config, drafter_params, drafter_config,
+                                                           prompt_tokens, prompt_lengths, cache_length, sampling,
+                                                           first_rng)
+    head = head_matrix(target_params, target_config, draft_vocab)  # [d, V']
+    refiner = None
+    if refiner_config is not None:
+        refiner = RefinerInputs(refiner_params, refiner_low_rank_head(refiner_params, refiner_config, head),
+                                refiner_config, refine)
+    state = TreeState(
+        step=jnp.int32(0),
+        tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
+        num_generated=jnp.ones((batch,), jnp.int32),
+        last_token=first,
+        lengths=prompt_lengths.astype(jnp.int32),
+        done=jnp.isin(first, eos) | (max_new_tokens <= 1),
+        target_cache=target_cache,
+        context_cache=context_cache,
+        rng=rng,
+        accepted_histogram=jnp.zeros((batch, block), jnp.int32),
+        bucket_histogram=jnp.zeros((len(buckets),), jnp.int32),
+        chosen_nodes=jnp.int32(0),
+        refine_passes=jnp.int32(0),
+    )
+    bucket_sizes = jnp.asarray(buckets, jnp.int32)
+
+    def verify_at(size):
+        return lambda s, nodes, rng: verify_tree(target_params, target_config, nodes.take(size), s.lengths,
+                                                 s.target_cache, taps, sampling, rng, num_draft)
+
+    def one_step(s: TreeState):
+        rng, accept_rng = jax.random.split(s.rng)
+        live = ~s.done
+        logits, passes = draft_marginals(target_params, target_config, drafter_params, drafter_config, s.last_token,
+                                         s.lengths, s.context_cache, head, draft_vocab, refiner)
+        nodes = build_tree(s.last_token, logits, draft_vocab, tree, sampling, max_nodes)
+        if tree.auto:
+            chosen = chosen_tree_size(nodes.log_prob, nodes.valid, costs, max_nodes)  # [B]
+            needed = jnp.max(jnp.where(live, chosen, 1))
+            bucket = jnp.minimum(jnp.sum(bucket_sizes < needed), len(buckets) - 1)
+        else:
+            chosen = jnp.full((batch,), max_nodes, jnp.int32)
+            bucket = jnp.int32(0)
+        if len(buckets) == 1:
+            n, next_token, accepted, cache, features = verify_at(buckets[0])(s, nodes, accept_rng)
+        else:
+            n, next_token, accepted, cache, features = jax.lax.switch(
+                bucket, [verify_at(size) for size in buckets], s, nodes, accept_rng)
+        tokens, num_generated, done, advance = commit_tokens(s.tokens, s.num_generated, s.done, accepted, n,
+                                                             next_token, eos, max_new_tokens)
+        path_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [B, K+1]
+        context_cache = append_context(drafter_params, drafter_config, s.context_cache, features, path_positions,
+                                       s.lengths)
+        slot = jnp.arange(block, dtype=jnp.int32)[None, :]
+        return TreeState(
+            step=s.step + 1,
+            tokens=tokens,
+            num_generated=num_generated,
+            last_token=next_token,
+            lengths=s.lengths + advance,
+            done=done,
+            target_cache=cache,
+            context_cache=context_cache,
+            rng=rng,
+            accepted_histogram=s.accepted_histogram + live[:, None] * (slot == n[:, None]),
+            bucket_histogram=s.bucket_histogram.at[bucket].add(1),
+            chosen_nodes=s.chosen_nodes + jnp.sum(jnp.where(live, chosen, 0)),
+            refine_passes=s.refine_passes + passes,
+        )
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), one_step, state)
+    return TreeOutput(final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram,
+                      final.bucket_histogram, final.chosen_nodes, final.refine_passes)
