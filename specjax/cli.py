@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
     result = Engine(model, drafter, refiner=refiner).generate(
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
-        refine=_refine_config(args))
+        refine=_refine_config(args), tree=_tree_config(args))
     texts = [decode(t) for t in result.tokens]
     if args.json:
         single = len(prompts) == 1
@@ -117,8 +117,12 @@ def cmd_generate(args) -> int:
         accept = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"][:8])
         print(f"[{s['method']}] tau {s['tau']:.2f}, acceptance by draft position: {accept}", file=sys.stderr)
     if "refine_passes" in s:
-        print(f"[{s['method']}] {s['refine_passes']:.2f} refinement passes per block, refine time "
-              f"{s['refine_s']:.2f} s", file=sys.stderr)
+        refine_time = f", refine time {s['refine_s']:.2f} s" if "refine_s" in s else ""
+        print(f"[{s['method']}] {s['refine_passes']:.2f} refinement passes per block{refine_time}", file=sys.stderr)
+    if "tree_bucket_counts" in s:
+        sizes = ", ".join(f"{n} nodes x{c}" for n, c in s["tree_bucket_counts"].items() if c)
+        print(f"[{s['method']}] tree size chosen {s['tree_nodes_chosen']:.1f} nodes per step on average; "
+              f"verified: {sizes}", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
     return 0
@@ -139,11 +143,12 @@ def _drafter_for(args, model):
 
 
 def _refiner_for(args, model):
-    """The refiner chain+refiner needs (None otherwise); checked against its drafter by the Engine."""
+    """The refiner a +refiner method needs (None otherwise); checked against its drafter by the Engine."""
+    from specjax.decode.engine import REFINED_METHODS
     from specjax.io.registry import resolve_refiner
 
     methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
-    if "chain+refiner" not in methods:
+    if not any(m in REFINED_METHODS for m in methods):
         return None
     return resolve_refiner(args.refiner, args.model)
 
@@ -153,6 +158,25 @@ def _refine_config(args):
 
     return RefineConfig(max_passes=args.refine_passes, adaptive=not args.no_adaptive_refine,
                         keep_confident=args.refine_keep_confident)
+
+
+def _tree_config(args):
+    from specjax.decode.tree import TreeConfig
+
+    budget = args.tree_budget.strip().lower()
+    if budget == "auto":
+        size = None
+    else:
+        try:
+            size = int(budget)
+        except ValueError:
+            raise SpecjaxError(f"--tree-budget must be 'auto' or a node count, got {args.tree_budget!r}") from None
+    try:
+        buckets = tuple(int(b) for b in args.tree_buckets.split(",") if b.strip())
+    except ValueError:
+        raise SpecjaxError(f"--tree-buckets must be comma-separated node counts, got {args.tree_buckets!r}") from None
+    return TreeConfig(shape=args.tree_shape, buckets=buckets, budget=size, top_k=args.tree_top_k,
+                      width=args.tree_width)
 
 
 def cmd_bench(args) -> int:
@@ -175,7 +199,9 @@ def cmd_bench(args) -> int:
     engine = Engine(model, _drafter_for(args, model), refiner=_refiner_for(args, model))
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
                        repeats=args.repeats, progress=not args.json,
-                       options={"chain+refiner": {"refine": _refine_config(args)}})
+                       options={"chain+refiner": {"refine": _refine_config(args)},
+                                "tree": {"tree": _tree_config(args)},
+                                "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)}})
     if args.json:
         print(json.dumps(report))
     else:
@@ -289,8 +315,20 @@ def cmd_train_refiner(args) -> int:
     return 0
 
 
+def _add_tree_options(parser) -> None:
+    parser.add_argument("--tree-budget", default="auto",
+                        help="tree methods: 'auto' (the budget rule picks the size each step from measured "
+                             "verify latency) or a fixed node count")
+    parser.add_argument("--tree-shape", default="best-first", choices=["best-first", "fixed"],
+                        help="best-first on path probability, or the fixed top-k-per-depth baseline")
+    parser.add_argument("--tree-buckets", default="4,8,16,32,64",
+                        help="node counts the verify pass is compiled for (auto budget)")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="candidate tokens per depth (best-first)")
+    parser.add_argument("--tree-width", type=int, default=2, help="tokens per depth of the fixed-shape tree")
+
+
 def _add_refiner_options(parser) -> None:
-    parser.add_argument("--refiner", default="default", help="refiner for chain+refiner: default or a refiner folder")
+    parser.add_argument("--refiner", default="default", help="refiner for the +refiner methods: default or a refiner folder")
     parser.add_argument("--refine-passes", type=int, default=1, help="most refinement passes per block (chain+refiner)")
     parser.add_argument("--no-adaptive-refine", action="store_true",
                         help="always run every refinement pass (default: stop when a pass changes nothing)")
@@ -308,11 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as is)")
     gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--method", default="ar", help="decoding method: ar, chain or chain+refiner (speculative)")
+    gen.add_argument("--method", default="ar",
+                     help="decoding method: ar, or speculative chain, chain+refiner, tree, tree+refiner")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
     _add_refiner_options(gen)
+    _add_tree_options(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -325,8 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--drafter", default="default")
-    bench.add_argument("--methods", default="ar,chain", help="comma-separated: ar, chain, chain+refiner")
+    bench.add_argument("--methods", default="ar,chain",
+                       help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner")
     _add_refiner_options(bench)
+    _add_tree_options(bench)
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)

@@ -155,6 +155,34 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
 
 
+def test_generate_and_bench_with_trees(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # measured latencies go here, not to the user's cache
+    root = tiny_with_tokenizer_and_drafter
+    base = ["generate", "--model", str(root / "model"), "--prompt", "the cat", "--no-chat", "--max-new-tokens", "9",
+            "--ignore-eos", "--json", "--drafter", str(root / "drafter")]
+    assert main(base) == 0
+    ar = _last_json(capsys)
+    assert main(base + ["--method", "tree", "--tree-budget", "6"]) == 0
+    tree = _last_json(capsys)
+    assert tree["tokens"] == ar["tokens"]
+    assert tree["stats"]["tree_bucket_counts"] == {"6": tree["stats"]["verify_steps"]}
+    assert main(base + ["--method", "tree+refiner", "--refiner", str(root / "refiner"), "--tree-buckets", "2,4,8"]) == 0
+    refined = _last_json(capsys)
+    assert refined["tokens"] == ar["tokens"] and refined["stats"]["refine_passes"] >= 1
+    assert 1 <= refined["stats"]["tree_nodes_chosen"] <= 8
+    assert list((tmp_path / "latency").glob("*.json")), "the measured latency model is cached on disk"
+    assert main(base + ["--method", "tree", "--tree-budget", "lots"]) == 2
+    assert "--tree-budget must be 'auto' or a node count" in capsys.readouterr().err
+    assert main(base + ["--method", "tree", "--tree-buckets", "8,4"]) == 2
+    assert "increasing" in capsys.readouterr().err
+    assert main(["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods",
+                 "ar,tree", "--tree-shape", "fixed", "--prompts-file", str(root / "prompts.txt"),
+                 "--max-new-tokens", "6", "--no-chat", "--json"]) == 0
+    report = _last_json(capsys)
+    entry = report["methods"]["tree"]
+    assert entry["identical_to_ar"] and entry["tree_nodes_verified"] == 1 + 3 * 2
+
+
 def test_mismatched_drafter_is_refused(tiny_with_tokenizer_and_drafter, tiny_folder, capsys):
     root = tiny_with_tokenizer_and_drafter
     assert main(["generate", "--model", str(tiny_folder), "--prompt-ids", "1,2", "--method", "chain",

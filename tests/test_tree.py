@@ -139,11 +139,14 @@ def test_stop_rule_grows_trees_when_verification_is_cheap_and_shrinks_them_when_
 def test_latency_model_refits_online_and_round_trips(tmp_path):
     model = LatencyModel(sizes=[1, 8, 16], verify_s=[0.01, 0.02, 0.03], fixed_s=0.01)
     # The machine turns out twice as slow to verify 16 nodes as measured: calls using size 16 say so.
-    for steps, share in [(40, 0.9), (50, 0.6), (60, 0.3), (70, 0.1), (40, 0.5), (60, 0.8)]:
+    # Each call also pays 0.3 s outside the loop (prefill), which must not leak into the step costs.
+    for steps, share in [(40, 0.9), (50, 0.6), (60, 0.3), (70, 0.1), (4, 0.5), (60, 0.8), (8, 0.2)]:
         counts = {8: int(steps * share), 16: steps - int(steps * share)}
-        model.observe(steps, counts, steps * 0.01 + counts[8] * 0.02 + counts[16] * 0.06)
-    assert 0.045 < model.verify_s[2] < 0.065
-    assert abs(model.verify_s[1] - 0.02) < 0.006 and abs(model.fixed_s - 0.01) < 0.004
+        model.observe(steps, counts, 0.3 + steps * 0.01 + counts[8] * 0.02 + counts[16] * 0.06)
+    assert 0.05 < model.verify_s[2] < 0.065
+    assert abs(model.verify_s[1] - 0.02) < 0.005 and abs(model.fixed_s - 0.01) < 0.004
+    assert 0.2 < model.per_call_s < 0.35
+    assert model.predicted_wall_s(50, {8: 25, 16: 25}) == pytest.approx(0.3 + 0.5 + 0.5 + 1.5, rel=0.1)
     assert model.verify_s[0] == 0.01  # the plain decode step is never observed and stays as measured
     key = "machine|model|b1|s64"
     model.save(key, tmp_path)

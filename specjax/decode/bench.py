@@ -2,7 +2,7 @@
 
 Methods take turns prompt by prompt, so machine noise hits them alike. Compilation is excluded
 (the Engine compiles ahead of time), and one untimed warm-up call per method absorbs first-run
-allocation. Speedups are medians of per-prompt ratios against `ar`.
+allocation. Speedups are medians of per-call ratios against `ar`.
 """
 
 from __future__ import annotations
@@ -40,32 +40,40 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
 
 def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, batch_size: int = 1) -> dict:
     """Side-by-side runs of labelled variants (several engines allowed, e.g. one per refiner).
-    A variant labelled "ar" is the baseline for speedups and output identity."""
+    A variant labelled "ar" is the baseline for speedups and output identity.
+
+    batch_size > 1 decodes consecutive prompts together; the last batch wraps around to the first
+    prompts so every call has the same shape (outputs are then reported once per call row)."""
     from tqdm.auto import tqdm
 
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise SpecjaxError(f"benchmark labels must be distinct, got {labels}")
-    run = lambda v, prompt: v.engine.generate([prompt], max_new_tokens, sampling, seed=seed, method=v.method,
-                                              **dict(v.options))
+    if batch_size < 1:
+        raise SpecjaxError(f"batch_size must be >= 1, got {batch_size}")
+    num_calls = -(-len(prompts) // batch_size)
+    batches = [[prompts[(c * batch_size + i) % len(prompts)] for i in range(batch_size)] for c in range(num_calls)]
+    run = lambda v, batch: v.engine.generate(batch, max_new_tokens, sampling, seed=seed, method=v.method,
+                                             **dict(v.options))
     for v in variants:  # warm-up (and compilation) outside the timing
-        run(v, prompts[0])
+        run(v, batches[0])
     speeds = {m: [] for m in labels}
     outputs = {m: [] for m in labels}
     histograms = {m: None for m in labels}
     walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0} for m in labels}
     passes = {m: [] for m in labels}
-    with tqdm(total=repeats * len(prompts) * len(variants), desc="bench", disable=not progress) as bar:
+    tree_sizes = {m: {"chosen": [], "verified": [], "buckets": {}} for m in labels}
+    with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
         for repeat in range(repeats):
-            for prompt in prompts:
+            for batch in batches:
                 for v in variants:
-                    result = run(v, prompt)
+                    result = run(v, batch)
                     method = v.label
                     speeds[method].append(result.stats["tokens_per_s"])
                     if repeat == 0:
-                        outputs[method].append(result.tokens[0])
+                        outputs[method].extend(result.tokens)
                     walls[method]["wall_s"] += result.stats["wall_s"]
                     if "accepted_length_histogram" in result.stats:
                         h = np.asarray(result.stats["accepted_length_histogram"])
@@ -74,8 +82,15 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                             walls[method][key] += result.stats.get(key, 0.0)
                     if "refine_passes" in result.stats:
                         passes[method].append(result.stats["refine_passes"])
+                    if "tree_bucket_counts" in result.stats:
+                        sizes = tree_sizes[method]
+                        sizes["chosen"].append(result.stats["tree_nodes_chosen"])
+                        sizes["verified"].append(result.stats["tree_nodes_verified"])
+                        for size, count in result.stats["tree_bucket_counts"].items():
+                            sizes["buckets"][size] = sizes["buckets"].get(size, 0) + count
+                        sizes["latency_model"] = result.stats["latency_model"]
                     bar.update(1)
-    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,
+    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "batch_size": batch_size, "repeats": repeats,
               "temperature": sampling.temperature, "methods": {}}
     for method in labels:
         entry = {"tokens_per_s": statistics.median(speeds[method]), "tau": None, "per_position_acceptance": [],
@@ -90,6 +105,12 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                 entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / walls[method]["wall_s"]
         if passes[method]:
             entry["refine_passes"] = float(np.mean(passes[method]))
+        if tree_sizes[method]["chosen"]:
+            sizes = tree_sizes[method]
+            entry["tree_nodes_chosen"] = float(np.mean(sizes["chosen"]))
+            entry["tree_nodes_verified"] = float(np.mean(sizes["verified"]))
+            entry["tree_bucket_counts"] = sizes["buckets"]
+            entry["latency_model"] = sizes["latency_model"]
         if "ar" in labels and method != "ar":
             entry["speedup_vs_ar"] = statistics.median(
                 s / a for s, a in zip(speeds[method], speeds["ar"]))
@@ -101,10 +122,12 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
 
 def format_table(report: dict) -> str:
     width = max([10] + [len(m) for m in report["methods"]])
-    lines = [f"{'method':{width}s} {'tokens/s':>9s} {'speedup':>8s} {'tau':>6s}  per-position acceptance"]
+    lines = [f"{'method':{width}s} {'tokens/s':>9s} {'speedup':>8s} {'tau':>6s} {'nodes':>6s}  per-position acceptance"]
     for method, entry in report["methods"].items():
         speedup = f"{entry['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in entry else "-"
         tau = f"{entry['tau']:.2f}" if entry["tau"] is not None else "-"
+        # Tree methods: mean nodes verified per step.
+        nodes = f"{entry['tree_nodes_verified']:.1f}" if "tree_nodes_verified" in entry else "-"
         accept = " ".join(f"{a:.2f}" for a in entry["per_position_acceptance"][:8])
-        lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s}  {accept}")
+        lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s} {nodes:>6s}  {accept}")
     return "\n".join(lines)

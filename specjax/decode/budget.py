@@ -27,6 +27,10 @@ import numpy as np
 from flax import struct
 
 
+LATENCY_FORMAT = 3
+"""Bumped whenever what a step does changes, so stale measurements on disk are not reused."""
+
+
 @struct.dataclass
 class TreeCosts:
     """The latency model as the jitted loop sees it: dynamic arrays, so refits never recompile."""
@@ -78,7 +82,9 @@ def _cpu_model() -> str:
 @dataclasses.dataclass
 class LatencyModel:
     """Measured per-step costs for one (machine, model, batch, cache length, buckets), refitted
-    online. Observations are whole decode calls: wall = steps * fixed + sum_b count_b * C(b)."""
+    online. Observations are whole decode calls:
+        wall = per_call + steps * fixed + sum_b count_b * C(b),
+    where per_call (prefill and launch) is fitted too, so short calls do not inflate the step costs."""
 
     sizes: list[int]
     """Node counts measured, increasing; 1 (a plain decode step) first, then the tree buckets."""
@@ -89,12 +95,16 @@ class LatencyModel:
     prior_verify_s: list[float] = dataclasses.field(default_factory=list)
     """The first measurement, which the online fit is pulled toward when data are few."""
     prior_fixed_s: float = 0.0
+    per_call_s: float = 0.0
+    """Seconds per decode call outside the loop (prefill, launch), fitted from observations."""
     observations: list[dict] = dataclasses.field(default_factory=list)
     """{"steps": int, "counts": {size: verify passes}, "wall_s": float} per decode call (newest last)."""
 
     max_observations = 64
     prior_weight = 0.3
     """Ridge weight, in units of one observation's relative error."""
+    per_call_scale_s = 0.2
+    """Typical per-call cost; its ridge (toward 0) is relative to this."""
 
     def __post_init__(self):
         if not self.prior_verify_s:
@@ -116,35 +126,34 @@ class LatencyModel:
         self._refit()
 
     def _refit(self) -> None:
-        # Unknowns: fixed_s and C at every measured size except 1, which the tree loop never runs
-        # (it is the anchor of the interpolation, a plain decode step, kept as measured).
+        # Unknowns: per_call_s, fixed_s, and C at every measured size except 1, which the tree loop
+        # never runs (it anchors the interpolation: a plain decode step, kept as measured).
         fitted = self.sizes[1:] if self.sizes[0] == 1 else list(self.sizes)
-        prior = np.array([self.prior_fixed_s] + [self.prior_verify_s[self.sizes.index(s)] for s in fitted])
-        rows, targets = [], []
-        for obs in self.observations:
-            row = [obs["steps"]] + [obs["counts"].get(s, 0) for s in fitted]
-            rows.append(np.array(row, float) / obs["wall_s"])
-            targets.append(1.0)
-        # Ridge rows in relative units: (x_j - prior_j) / prior_j ~ 0.
+        prior = np.array([0.0, self.prior_fixed_s] + [self.prior_verify_s[self.sizes.index(s)] for s in fitted])
         scale = np.maximum(prior, 1e-9)
-        ridge = np.diag(self.prior_weight / scale)
-        a = np.vstack([np.array(rows)] + [ridge])
-        b = np.concatenate([np.array(targets), self.prior_weight * np.ones(len(prior))])
+        scale[0] = self.per_call_scale_s
+        # Observation rows in relative error (each call counts alike whatever its length), then ridge
+        # rows (x_j - prior_j) / scale_j ~ 0.
+        rows = [np.array([1.0, obs["steps"]] + [obs["counts"].get(s, 0) for s in fitted], float) / obs["wall_s"]
+                for obs in self.observations]
+        a = np.vstack(rows + [np.diag(self.prior_weight / scale)])
+        b = np.concatenate([np.ones(len(rows)), self.prior_weight * prior / scale])
         solution, *_ = np.linalg.lstsq(a, b, rcond=None)
-        solution = np.clip(solution, 0.2 * prior, 5.0 * prior)
-        self.fixed_s = float(solution[0])
-        for s, value in zip(fitted, solution[1:]):
+        solution[1:] = np.clip(solution[1:], 0.2 * prior[1:], 5.0 * prior[1:])
+        self.per_call_s = float(max(solution[0], 0.0))
+        self.fixed_s = float(solution[1])
+        for s, value in zip(fitted, solution[2:]):
             self.verify_s[self.sizes.index(s)] = float(value)
 
     def predicted_wall_s(self, steps: int, counts: dict[int, int]) -> float:
-        return steps * self.fixed_s + sum(c * self.verify_s[self.sizes.index(s)] for s, c in counts.items())
+        return self.per_call_s + steps * self.fixed_s + sum(c * self.verify_s[self.sizes.index(s)] for s, c in counts.items())
 
     # ---- on-disk cache, one file per key ----
 
     @staticmethod
     def key(model_name: str, model_config, batch: int, cache_length: int, sizes) -> str:
         digest = hashlib.sha256(repr((model_name, model_config, batch, cache_length, tuple(sizes))).encode()).hexdigest()
-        return f"{machine_id()}|{model_name}|b{batch}|s{cache_length}|{digest[:12]}"
+        return f"v{LATENCY_FORMAT}|{machine_id()}|{model_name}|b{batch}|s{cache_length}|{digest[:12]}"
 
     @staticmethod
     def path_for(key: str, folder: Path) -> Path:
