@@ -43,6 +43,7 @@ def main() -> None:
                     Variant("tree (auto)", engine, "tree"),
                     Variant("tree (16 nodes)", engine, "tree", (("tree", TreeConfig(budget=16)),))]
         if batch_size == 1:
+            variants.append(Variant("tree (32 nodes)", engine, "tree", (("tree", TreeConfig(budget=32)),)))
             variants.append(Variant("tree (fixed, top-2 per depth)", engine, "tree",
                                     (("tree", TreeConfig(shape="fixed", width=2)),)))
             if refiner is not None:
@@ -82,7 +83,7 @@ def print_tables(report: dict, block_size: int) -> None:
                            if count)
         model = entry["latency_model"]
         curve = ", ".join(f"{size}: {seconds * 1e3:.0f}" for size, seconds in zip(model["sizes"], model["verify_s"]))
-        print(f"- {label}: rule chose {entry['tree_nodes_chosen']:.1f} nodes per row-step on average; verified "
+        print(f"- {label}: rule chose {entry['tree_nodes_chosen']:.1f} nodes per step on average; verified "
               f"sizes {shares}; verify ms by size {curve}; fixed {model['fixed_s'] * 1e3:.1f} ms per step")
 
 

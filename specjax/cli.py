@@ -172,7 +172,7 @@ def _tree_config(args):
         except ValueError:
             raise SpecjaxError(f"--tree-budget must be 'auto' or a node count, got {args.tree_budget!r}") from None
     try:
-        buckets = tuple(int(b) for b in args.tree_buckets.split(",") if b.strip())
+        buckets = tuple(int(b) for b in args.tree_buckets.split(",") if b.strip()) or None
     except ValueError:
         raise SpecjaxError(f"--tree-buckets must be comma-separated node counts, got {args.tree_buckets!r}") from None
     return TreeConfig(shape=args.tree_shape, buckets=buckets, budget=size, top_k=args.tree_top_k,
@@ -225,7 +225,7 @@ def cmd_demo(args) -> int:
     print(f"specjax demo: {DEFAULT_MODEL} with its block-diffusion drafter "
           f"(block {drafter.config.block_size}, {drafter.config.num_layers} layer){refined}, greedy, "
           f"{args.max_new_tokens} new tokens per prompt.\n", flush=True)
-    methods = ["ar", "chain"] + (["chain+refiner"] if refiner else [])
+    methods = ["ar", "chain"] + (["chain+refiner"] if refiner else []) + ["tree"]
     report = run_bench(engine, prompts, methods, args.max_new_tokens, progress=True)
     for text, ids in zip(DEMO_PROMPTS, report["methods"]["chain"]["outputs"]):
         print(f">>> {text}\n{model.tokenizer.decode(ids).strip()}\n")
@@ -239,6 +239,10 @@ def cmd_demo(args) -> int:
         verdict = "identical to" if r.get("identical_to_ar") else "DIFFERENT from"
         print(f"With the refiner: output {verdict} autoregressive, speedup {r['speedup_vs_ar']:.2f}x at tau "
               f"{r['tau']:.2f} ({r.get('refine_passes', 0):.2f} refinement passes per block).")
+    t = report["methods"]["tree"]
+    verdict = "identical to" if t.get("identical_to_ar") else "DIFFERENT from"
+    print(f"With draft trees sized by the budget rule: output {verdict} autoregressive, speedup "
+          f"{t['speedup_vs_ar']:.2f}x at tau {t['tau']:.2f} ({t['tree_nodes_verified']:.1f} nodes verified per step).")
     return 0
 
 
@@ -321,9 +325,10 @@ def _add_tree_options(parser) -> None:
                              "verify latency) or a fixed node count")
     parser.add_argument("--tree-shape", default="best-first", choices=["best-first", "fixed"],
                         help="best-first on path probability, or the fixed top-k-per-depth baseline")
-    parser.add_argument("--tree-buckets", default="4,8,16,32,64",
-                        help="node counts the verify pass is compiled for (auto budget)")
-    parser.add_argument("--tree-top-k", type=int, default=8, help="candidate tokens per depth (best-first)")
+    parser.add_argument("--tree-buckets", default="",
+                        help="comma-separated node counts the verify pass is compiled for (auto budget); "
+                             "default 1..64 on CPU, 16..256 on GPU/TPU")
+    parser.add_argument("--tree-top-k", type=int, default=16, help="candidate tokens per depth (best-first)")
     parser.add_argument("--tree-width", type=int, default=2, help="tokens per depth of the fixed-shape tree")
 
 
@@ -380,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bench.set_defaults(func=cmd_bench)
 
-    demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter, against autoregressive")
+    demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter (chain, refined chain, "
+                                       "draft trees), against autoregressive")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.set_defaults(func=cmd_demo)
 

@@ -121,19 +121,23 @@ def _costs(verify, fixed=0.01):
 def test_stop_rule_grows_trees_when_verification_is_cheap_and_shrinks_them_when_not():
     log_probs, tokens = _candidates(3, batch=2, depths=4, k=4)
     tree = best_first_tree(jnp.asarray([0, 0]), log_probs, tokens, 32)
-    flat = chosen_tree_size(tree.log_prob, tree.valid, _costs(lambda s: 0.01), 32)  # GPU-like: size is free
-    steep = chosen_tree_size(tree.log_prob, tree.valid, _costs(lambda s: 0.01 * s), 32)  # CPU-like
-    steeper = chosen_tree_size(tree.log_prob, tree.valid, _costs(lambda s: 0.04 * s), 32)  # a bigger batch
-    assert flat.tolist() == [32, 32]
-    assert np.all(np.asarray(steeper) <= np.asarray(steep)) and np.all(np.asarray(steep) < 32)
-    assert np.all(np.asarray(steeper) >= 1)
-    # The rule itself, checked by hand on row 0 at the first node it refuses.
+    choose = lambda costs, live=jnp.asarray([True, True]): int(chosen_tree_size(tree.log_prob, tree.valid, live,
+                                                                                 costs, 32))
+    flat = choose(_costs(lambda s: 0.01))  # GPU-like: size is free
+    steep = choose(_costs(lambda s: 0.01 * s))  # CPU-like
+    steeper = choose(_costs(lambda s: 0.04 * s))  # the same CPU at a bigger batch
+    assert flat == 32
+    assert 1 <= steeper <= steep < 32
+    # The rule itself, checked by hand for row 0 alone at the first node it refuses.
     costs = _costs(lambda s: 0.01 * s)
-    n = int(steep[0])
+    n = choose(costs, jnp.asarray([True, False]))
     p = np.exp(np.asarray(tree.log_prob[0]))
     c = lambda m: float(costs.verify_cost(jnp.asarray(m)))
     assert p[n] * (0.01 + c(n)) <= p[:n].sum() * (c(n + 1) - c(n)) + 1e-9
     assert p[n - 1] * (0.01 + c(n - 1)) > p[:n - 1].sum() * (c(n) - c(n - 1))
+    # Rows are summed: two identical rows choose what one row chooses.
+    twin = best_first_tree(jnp.asarray([0, 0]), log_probs[:1].repeat(2, 0), tokens[:1].repeat(2, 0), 32)
+    assert int(chosen_tree_size(twin.log_prob, twin.valid, jnp.asarray([True, True]), costs, 32)) == n
 
 
 def test_latency_model_refits_online_and_round_trips(tmp_path):
@@ -164,6 +168,7 @@ def test_tree_config_refuses_bad_values():
         TreeConfig(budget=0)
     assert TreeConfig(shape="fixed", width=3).node_buckets(15) == (46,)
     assert TreeConfig(budget=8).node_buckets(15) == (8,)
+    assert TreeConfig().node_buckets(15) == (1, 2, 4, 8, 16, 32, 64)  # the CPU default
 
 
 TREES = [TreeConfig(buckets=(2, 4, 8)), TreeConfig(budget=6), TreeConfig(shape="fixed", width=2)]

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 
-LATENCY_FORMAT = 3
+LATENCY_FORMAT = 5
 """Bumped whenever what a step does changes, so stale measurements on disk are not reused."""
 
 
@@ -47,17 +47,23 @@ class TreeCosts:
         return jnp.interp(num_nodes.astype(jnp.float32), self.sizes, self.verify_s)
 
 
-def chosen_tree_size(log_prob, valid, costs: TreeCosts, max_nodes: int):
-    """The stop rule per row. log_prob, valid: [B, N] in pop order. Returns [B] int32 node counts
-    (at least 1, the root; at most max_nodes)."""
+def chosen_tree_size(log_prob, valid, live, costs: TreeCosts, max_nodes: int):
+    """The stop rule for a batch, which verifies one tree size for every row. log_prob, valid:
+    [B, N] in pop order; live: [B] bool (rows still decoding). Returns the node count [] int32, at
+    least 1 (the root) and at most max_nodes.
+
+    Node n of every row is added while its summed gain pays for the summed cost:
+        sum_b P_b(n) * (T_fixed + C(n)) > sum_b S_b(n) * (C(n+1) - C(n)),
+    which for one row is the rule in the module docstring. C is measured at the batch's size, so on
+    hardware where verifying costs grow with batch x nodes the same rule picks smaller trees."""
     num_nodes = log_prob.shape[1]
-    path_prob = jnp.where(valid, jnp.exp(log_prob), 0.0)  # [B, N]
-    proxy = jnp.cumsum(path_prob, axis=1)  # [B, N]: proxy[:, n-1] = S(n)
+    path_prob = jnp.where(valid & live[:, None], jnp.exp(log_prob), 0.0)  # [B, N]
+    gain = jnp.sum(path_prob, axis=0)  # [N]: summed P of the n-th node over rows
+    proxy = jnp.cumsum(gain)  # [N]: proxy[n-1] = summed S(n)
     n = jnp.arange(1, num_nodes, dtype=jnp.int32)  # nodes held before adding node index n
     cost_now, cost_next = costs.verify_cost(n), costs.verify_cost(n + 1)  # [N-1]
-    pays = path_prob[:, 1:] * (costs.fixed_s + cost_now) > proxy[:, :-1] * (cost_next - cost_now)  # [B, N-1]
-    pays = pays & valid[:, 1:] & (n < max_nodes)
-    return 1 + jnp.sum(jnp.cumprod(pays.astype(jnp.int32), axis=1), axis=1)
+    pays = (gain[1:] * (costs.fixed_s + cost_now) > proxy[:-1] * (cost_next - cost_now)) & (n < max_nodes)
+    return 1 + jnp.sum(jnp.cumprod(pays.astype(jnp.int32)))
 
 
 def machine_id() -> str:

@@ -93,6 +93,7 @@ class Engine:
             latency_cache = cache_dir() / "latency"
         self.latency_cache = Path(latency_cache) if latency_cache else None
         self.latency_models: dict[str, LatencyModel] = {}
+        self._verify_seconds: dict[tuple[int, int, int], float] = {}
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
@@ -275,14 +276,13 @@ class Engine:
         stats = _speculative_stats(shape.method, num_generated, histogram, wall_s, compile_s)
         buckets = shape.tree.node_buckets(self.drafter.config.block_size - 1)
         counts = {size: int(c) for size, c in zip(buckets, np.asarray(out.bucket_histogram))}
-        row_steps = int(histogram.sum())
         predicted_draft = stats["verify_steps"] * latency.fixed_s
         predicted_verify = sum(c * latency.verify_s[latency.sizes.index(size)] for size, c in counts.items())
         stats.update({
             # Split of wall time by the latency model (the loop is one fused executable).
             "draft_s": predicted_draft,
             "verify_s": predicted_verify,
-            "tree_nodes_chosen": int(out.chosen_nodes) / row_steps if row_steps else 0.0,
+            "tree_nodes_chosen": int(out.chosen_nodes) / stats["verify_steps"] if stats["verify_steps"] else 0.0,
             "tree_bucket_counts": counts,
             "tree_nodes_verified": (sum(size * c for size, c in counts.items()) / stats["verify_steps"]
                                     if stats["verify_steps"] else 0.0),
@@ -367,8 +367,12 @@ class Engine:
               f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
         verify_s = []
         for size in tqdm(sizes, desc="latency", leave=False, disable=not sys.stderr.isatty()):
-            fn = jax.jit(verify_part, static_argnums=2)
-            verify_s.append(median_time(lambda: fn(target_params, target_cache, size)))
+            # A verify pass costs the same whatever the tree's shape or drafter: measure each size once.
+            measured = (batch, shape.cache_length, size)
+            if measured not in self._verify_seconds:
+                fn = jax.jit(verify_part, static_argnums=2)
+                self._verify_seconds[measured] = median_time(lambda: fn(target_params, target_cache, size))
+            verify_s.append(self._verify_seconds[measured])
         fixed = jax.jit(fixed_part)
         fixed_s = median_time(lambda: fixed(target_params, self.drafter.params, context, head, draft_vocab, refiner))
         return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)
