@@ -213,6 +213,18 @@ class Engine:
         }
         return GenerationResult(rows, stats)
 
+    def _compile_and_run(self, shape: DecodeRequestShape, decode_fn, args, statics):
+        """Run a jitted decode function, compiling it ahead of time on the first call at this shape.
+        Returns (outputs, wall seconds of the run alone, compile seconds or 0)."""
+        compile_s = 0.0
+        if shape not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[shape] = decode_fn.lower(*args, **statics).compile()
+            compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = jax.block_until_ready(self._compiled[shape](*args))
+        return out, time.perf_counter() - start, compile_s
+
     def _generate_chain(self, shape: DecodeRequestShape, args) -> GenerationResult:
         target_params, prompt_tokens, prompt_lengths, rng = args
         draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
@@ -224,14 +236,8 @@ class Engine:
                        cache_length=shape.cache_length, denoise_steps=shape.denoise_steps,
                        refiner_config=self.refiner.config if refined else None,
                        refine=shape.refine if refined else RefineConfig())
-        compile_s = 0.0
-        if shape not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[shape] = generate_chain.lower(*full_args, **statics).compile()
-            compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        tokens, num_generated, histogram, refine_passes = jax.block_until_ready(self._compiled[shape](*full_args))
-        wall_s = time.perf_counter() - start
+        (tokens, num_generated, histogram, refine_passes), wall_s, compile_s = self._compile_and_run(
+            shape, generate_chain, full_args, statics)
         tokens, num_generated, histogram = np.asarray(tokens), np.asarray(num_generated), np.asarray(histogram)
         rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
         draft_cost, verify_cost, refine_cost = self._measure_phases(shape, full_args)
@@ -262,14 +268,7 @@ class Engine:
                        cache_length=shape.cache_length, tree=shape.tree,
                        refiner_config=self.refiner.config if refined else None,
                        refine=shape.refine if refined else RefineConfig())
-        compile_s = 0.0
-        if shape not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[shape] = generate_tree.lower(*full_args, **statics).compile()
-            compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        out = jax.block_until_ready(self._compiled[shape](*full_args))
-        wall_s = time.perf_counter() - start
+        out, wall_s, compile_s = self._compile_and_run(shape, generate_tree, full_args, statics)
         num_generated, histogram = np.asarray(out.num_generated), np.asarray(out.accepted_histogram)
         tokens = np.asarray(out.tokens)
         rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
@@ -354,15 +353,6 @@ class Engine:
             return verify_tree(tp, tcfg, nodes, prompt_lengths, cache, dcfg.target_layer_ids, shape.sampling,
                                jax.random.key(0), num_draft)
 
-        def median_time(fn):
-            jax.block_until_ready(fn())
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn())
-                times.append(time.perf_counter() - start)
-            return float(np.median(times))
-
         print(f"[specjax] measuring tree verification latency at batch {batch}, cache {shape.cache_length} "
               f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
         verify_s = []
@@ -371,10 +361,12 @@ class Engine:
             measured = (batch, shape.cache_length, size)
             if measured not in self._verify_seconds:
                 fn = jax.jit(verify_part, static_argnums=2)
-                self._verify_seconds[measured] = median_time(lambda: fn(target_params, target_cache, size))
+                self._verify_seconds[measured] = _median_seconds(repeats,
+                                                                 lambda: fn(target_params, target_cache, size))
             verify_s.append(self._verify_seconds[measured])
         fixed = jax.jit(fixed_part)
-        fixed_s = median_time(lambda: fixed(target_params, self.drafter.params, context, head, draft_vocab, refiner))
+        fixed_s = _median_seconds(repeats, lambda: fixed(target_params, self.drafter.params, context, head,
+                                                         draft_vocab, refiner))
         return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)
 
     def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float, float]:
@@ -400,15 +392,6 @@ class Engine:
         draft = lambda: draft_fn(target_params, drafter_params, context, head, draft_vocab)
         verify = lambda: verify_fn(target_params, target_cache)
 
-        def median_time(fn):
-            jax.block_until_ready(fn())
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn())
-                times.append(time.perf_counter() - start)
-            return float(np.median(times))
-
         refine_cost = 0.0
         if shape.refine is not None:
             rcfg = self.refiner.config
@@ -416,9 +399,20 @@ class Engine:
             low_rank = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, rcfg, head)
             pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, tcfg, rp, rcfg, lr, batch, block - 1,
                                                                   head.shape[1], shape.sampling))
-            refine_cost = median_time(lambda: pass_fn(target_params, refiner_params, low_rank))
-        self._phase_costs[shape] = (median_time(draft), median_time(verify), refine_cost)
+            refine_cost = _median_seconds(repeats, lambda: pass_fn(target_params, refiner_params, low_rank))
+        self._phase_costs[shape] = (_median_seconds(repeats, draft), _median_seconds(repeats, verify), refine_cost)
         return self._phase_costs[shape]
+
+
+def _median_seconds(repeats: int, fn) -> float:
+    """Median wall time of fn() over `repeats` calls, after one untimed call (compile, warm-up)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def _speculative_stats(method: str, num_generated, histogram, wall_s: float, compile_s: float) -> dict:

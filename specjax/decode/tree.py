@@ -32,8 +32,8 @@ from flax import struct
 from specjax.decode.budget import TreeCosts, chosen_tree_size
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits
-from specjax.decode.speculative import (RefinerInputs, append_context, commit_tokens, draft_block_states,
-                                        start_speculation)
+from specjax.decode.speculative import (ChainState, RefinerInputs, append_context, commit_tokens,
+                                        draft_block_states, start_speculation)
 from specjax.errors import SpecjaxError
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
@@ -209,15 +209,17 @@ def fixed_tree(root_token, cand_log_probs, cand_tokens, width: int) -> DraftTree
     )
 
 
-def ancestor_mask(tree: DraftTree) -> jax.Array:
+def ancestor_mask(tree: DraftTree, max_depth: int | None = None) -> jax.Array:
     """[B, N, N] bool: query node v may attend to key node u iff u is v itself or an ancestor of v.
-    Invalid nodes see only themselves, so they never disturb valid ones."""
+    Invalid nodes see only themselves, so they never disturb valid ones. max_depth bounds the
+    nodes' depth (the drafter's K); without it, N - 1."""
     batch, num_nodes = tree.parent.shape
     node = jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32), (batch, num_nodes))
     mask = jnp.zeros((batch, num_nodes, num_nodes), bool)
     current = node
-    # Depth is at most N - 1, so N - 1 steps up reach the root from anywhere.
-    for _ in range(num_nodes):
+    # max_depth steps up reach the root from any node; one more marks it.
+    steps = num_nodes if max_depth is None else min(num_nodes, max_depth + 1)
+    for _ in range(steps):
         mask = mask | ((node[:, None, :] == current[:, :, None]) & (current >= 0)[:, :, None])
         current = jnp.where(current >= 0, jnp.take_along_axis(tree.parent, jnp.maximum(current, 0), axis=1), -1)
     # An invalid node's parent chain is meaningless; give it only itself.
@@ -259,32 +261,14 @@ def accept_tree(tree: DraftTree, target_logits, sampling: SamplingConfig, rng, m
 # ---------------------------------------------------------------------------------------------
 
 @struct.dataclass
-class TreeState:
-    """What the tree loop carries between verify steps."""
+class TreeState(ChainState):
+    """What the tree loop carries between verify steps: the chain's state (`last_token` is the next
+    tree's root; `accepted_histogram[b, n]` counts steps that reached depth n) plus tree sizes."""
 
-    step: jax.Array
-    """[] int32: verify steps done."""
-    tokens: jax.Array
-    """[B, N + block] int32: committed generated tokens."""
-    num_generated: jax.Array
-    """[B] int32, capped at N."""
-    last_token: jax.Array
-    """[B] int32: newest committed token (the next tree's root), not yet in either cache."""
-    lengths: jax.Array
-    """[B] int32: tokens in the target cache == entries in the drafter's context cache."""
-    done: jax.Array
-    """[B] bool."""
-    target_cache: KVCache
-    context_cache: KVCache
-    rng: jax.Array
-    accepted_histogram: jax.Array
-    """[B, block] int32: verify steps that accepted n drafts (reached depth n)."""
     bucket_histogram: jax.Array
     """[M] int32: verify steps run at each bucket size."""
     chosen_nodes: jax.Array
     """[] int32: node counts the budget rule chose (one per step for the whole batch), summed."""
-    refine_passes: jax.Array
-    """[] int32."""
 
 
 @struct.dataclass
@@ -341,7 +325,7 @@ def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree
     lengths .. lengths + n, where the next step expects them; everything past is invisible garbage."""
     positions = lengths[:, None] + tree.depth  # [B, N]
     out = forward(target_params, target_config, tree.token, positions, target_cache, lengths,
-                  block_mask=ancestor_mask(tree), hidden_layers=taps)  # logits [B, N, V], hidden [B, N, taps, d]
+                  block_mask=ancestor_mask(tree, max_depth), hidden_layers=taps)  # logits [B, N, V], hidden [B, N, taps, d]
     n, next_token, path = accept_tree(tree, out.logits, sampling, rng, max_depth)  # path [B, K+1]
     accepted_drafts = jnp.take_along_axis(tree.token, path[:, 1:], axis=1)  # [B, K]
     source_slots = lengths[:, None] + path  # [B, K+1]
