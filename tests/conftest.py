@@ -22,7 +22,8 @@ def build_tiny_hf(arch: str, seed: int = 0, **overrides):
     """A tiny random transformers model. Weights are scaled up from HF's 0.02 init so logits differ
     clearly between tokens: with near-zero logits a wrong layout could still pass a tolerance check."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = {**TINY_SHAPE, **overrides}
@@ -30,6 +31,13 @@ def build_tiny_hf(arch: str, seed: int = 0, **overrides):
         model = LlamaForCausalLM(LlamaConfig(rope_theta=500.0, **shape))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **shape))
+    elif arch == "mistral":  # every layer slides
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": 5, **shape}))
+    elif arch == "qwen3-sliding":  # full and sliding layers alternate, Gemma-style
+        layers = shape["num_hidden_layers"]
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=4,
+                                             layer_types=["full_attention", "sliding_attention"] * (layers // 2),
+                                             **shape))
     else:
         raise ValueError(arch)
     with torch.no_grad():

@@ -58,12 +58,43 @@ def hf_name_to_flax(name: str) -> tuple[tuple[str, ...], bool] | None:
     return None
 
 
+def _sliding_layers(hf: Mapping[str, Any], arch: str, num_layers: int, source: str):
+    """(sliding_window, layer_types) as transformers reads them for this architecture.
+
+    Llama has no sliding layers. Mistral slides in every layer unless sliding_window is null (its
+    config class defaults it to 4096 and ignores layer_types). Qwen3 slides only with
+    use_sliding_window, and then in the layers `layer_types` names (by default those from
+    max_window_layers on), so full and sliding layers can alternate as in Gemma-style models."""
+    if arch == "LlamaForCausalLM":
+        return None, ()
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window", 4096)
+        return (None if window is None else int(window)), ()
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    if window is None:
+        return None, ()
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first = int(hf.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    layer_types = tuple(str(t) for t in layer_types)
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise SpecjaxError(f"{source}: layer type {unknown[0]!r} is not supported (full_attention, sliding_attention)")
+    if len(layer_types) != num_layers:
+        raise SpecjaxError(f"{source}: layer_types names {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+    if "sliding_attention" not in layer_types:
+        return None, ()
+    return int(window), layer_types
+
+
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> TransformerConfig:
     """TransformerConfig from an HF config dict; unknown architectures are refused by name."""
     if not isinstance(hf, Mapping):
         raise SpecjaxError(f"{source}: expected a JSON object")
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(hf.get("model_type"))
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                   "mistral": "MistralForCausalLM"}.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise SpecjaxError(
             f"{source}: architecture {arch or hf.get('model_type')!r} is not supported; "
@@ -71,9 +102,8 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise SpecjaxError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise SpecjaxError(f"{source}: sliding-window attention layers are not supported yet")
     try:
+        sliding_window, layer_types = _sliding_layers(hf, arch, int(hf["num_hidden_layers"]), source)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
@@ -111,6 +141,8 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
             max_position_embeddings=int(hf.get("max_position_embeddings",
                                                32768 if arch == "Qwen3ForCausalLM" else 2048)),
             architecture=arch,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
         )
     except KeyError as e:
         raise SpecjaxError(f"{source}: required key {e.args[0]!r} is missing") from None

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +67,26 @@ class TransformerConfig:
     attention: str = "xla"
     """Attention implementation: "xla" (dense masked attention over every cache slot) or "pallas"
     (the tree-attention kernel in specjax/pallas_kernels, which skips cache blocks past each row's
-    length; it runs interpreted, and slowly, on CPU). Both compute the same function."""
+    length, and the windowed-attention kernel for sliding layers; they run interpreted, and slowly,
+    on CPU). Both compute the same function."""
+    sliding_window: int | None = None
+    """Keys a query in a sliding-attention layer sees, itself included (HF semantics: key position
+    j is visible from query position p iff p - W < j <= p). None: no sliding layers."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "full_attention" or "sliding_attention" (HF `layer_types`). Empty: every layer
+    slides when sliding_window is set (Mistral), otherwise every layer is full."""
 
     def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {self.sliding_window}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types has {unknown[0]!r}; expected one of {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         if self.attention not in ("xla", "pallas"):
             raise ValueError(f"attention must be 'xla' or 'pallas', got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +96,14 @@ class TransformerConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def num_params(self) -> int:
         d, f = self.hidden_size, self.intermediate_size
@@ -94,7 +120,7 @@ class TransformerConfig:
         """The config.json an HF model of this shape would have."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": "qwen3" if self.architecture == "Qwen3ForCausalLM" else "llama",
+            "model_type": {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -111,6 +137,15 @@ class TransformerConfig:
         }
         if self.architecture == "LlamaForCausalLM":
             out["mlp_bias"] = self.mlp_bias
+        if self.architecture == "MistralForCausalLM":
+            out["sliding_window"] = self.sliding_window  # null matters: Mistral's class defaults to 4096
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            if self.architecture == "Qwen3ForCausalLM":
+                out["use_sliding_window"] = True
+                out["layer_types"] = [
+                    "sliding_attention" if self.layer_window(i) else "full_attention" for i in range(self.num_layers)]
+                out["max_window_layers"] = 0
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             out["rope_scaling"] = {

@@ -64,6 +64,24 @@ def attention_mask(write_index: jax.Array, num_new: int, max_length: int, block_
     return committed | (in_block[:, None, :] & gathered)
 
 
+def key_positions(write_index: jax.Array, positions: jax.Array, max_length: int):
+    """The position of the token in every cache slot, as far as attention can see it. Returns [B, S].
+
+    Committed slots (before write_index[b]) hold the token at that position; the T new tokens sit
+    at write_index[b] + t with positions[b, t] (for a tree, start + depth, not the slot). Slots past
+    the new tokens are never visible, so their value does not matter."""
+    slots = jnp.arange(max_length, dtype=jnp.int32)  # [S]
+    rel = slots[None, :] - write_index[:, None]  # [B, S]
+    new = jnp.take_along_axis(positions.astype(jnp.int32), jnp.clip(rel, 0, positions.shape[1] - 1), axis=1)
+    return jnp.where(rel >= 0, new, slots[None, :])
+
+
+def sliding_window_mask(mask: jax.Array, query_positions: jax.Array, slot_positions: jax.Array, window: int):
+    """Restrict an attention mask [B, T, S] to keys within the window: key position j is visible from
+    query position p iff p - window < j (HF's sliding_window semantics; causality comes from mask)."""
+    return mask & (slot_positions[:, None, :] > query_positions[:, :, None] - window)
+
+
 def grouped_query_attention(q, k, v, mask):
     """q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] -> [B, T, H, D]."""
     batch, num_new, num_heads, head_dim = q.shape

@@ -18,17 +18,22 @@ from flax import struct
 
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, rope_tables
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, key_positions,
+                                   rope_tables, sliding_window_mask)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
+from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
 
 class Attention(nn.Module):
     config: TransformerConfig
+    window: int | None = None
+    """This layer's sliding window (None: full attention)."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask):
-        """mask: [B, T, S] for the XLA path; block_mask: [B, T, T] among the new tokens (causal when
-        None), the structured form the kernel takes instead of a dense mask."""
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions):
+        """mask: [B, T, S] for the XLA path (already windowed for a sliding layer); block_mask: [B, T, T]
+        among the new tokens (causal when None), the structured form the kernels take instead of a
+        dense mask; positions: [B, T] the new tokens' positions (a sliding layer's window is in positions)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         batch, num_new, _ = x.shape
@@ -45,9 +50,12 @@ class Attention(nn.Module):
         if cfg.attention == "pallas":
             if block_mask is None:
                 block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
-            # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
-            out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
-                                    implementation="pallas")  # [B, T, H, D]
+            if self.window is None:
+                # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
+                out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
+                                        implementation="pallas")  # [B, T, H, D]
+            else:
+                out = self._sliding_pallas(q, k, v, cached_k, cached_v, write_index, block_mask, positions)
         else:
             out = grouped_query_attention(q, cached_k, cached_v, mask)  # [B, T, H, D]
         out = nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype, name="o_proj")(
@@ -55,17 +63,32 @@ class Attention(nn.Module):
         )
         return out, cached_k, cached_v
 
+    def _sliding_pallas(self, q, k, v, cached_k, cached_v, write_index, block_mask, positions):
+        """A sliding layer through the windowed-attention kernel: the committed prefix (slot ==
+        position) as one key range per query, [p - W + 1, write_index), and the new tokens under
+        their block mask and the window, merged by log-sum-exp. [B, T, H, D]"""
+        window = self.window
+        starts = jnp.maximum(positions - window + 1, 0)  # [B, T]
+        ends = jnp.broadcast_to(write_index[:, None], starts.shape)  # [B, T]
+        prefix = window_attention_op(q, cached_k, cached_v, starts, ends, implementation="pallas")
+        near = positions[:, None, :] > positions[:, :, None] - window  # [B, T, T] query x key
+        own = masked_attention(q, k, v, block_mask & near)
+        out, _ = merge_attention([prefix, own])
+        return out
+
 
 class DecoderLayer(nn.Module):
     config: TransformerConfig
+    window: int | None = None
+    """This layer's sliding window (None: full attention)."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None):
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None, positions=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        attn_out, cached_k, cached_v = Attention(cfg, name="self_attn")(
+        attn_out, cached_k, cached_v = Attention(cfg, self.window, name="self_attn")(
             RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cached_k, cached_v, write_index,
-            mask, block_mask
+            mask, block_mask, positions
         )
         x = x + attn_out
         x = x + SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, name="mlp")(
@@ -93,7 +116,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, embedding_init=nn.initializers.normal(0.02)
         )
-        self.layers = [DecoderLayer(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype)
@@ -115,9 +138,14 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # [B, T, d]
         cos, sin = rope_tables(self.config, positions)  # [B, T, D/2]
         mask = attention_mask(write_index, tokens.shape[1], cache.max_length, block_mask)  # [B, T, S]
+        windowed_masks = {}  # one mask per distinct window, shared by the layers that slide by it
+        for window in {self.config.layer_window(i) for i in range(self.config.num_layers)} - {None}:
+            slot_positions = key_positions(write_index, positions, cache.max_length)  # [B, S]
+            windowed_masks[window] = sliding_window_mask(mask, positions, slot_positions, window)  # [B, T, S]
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, mask, block_mask)
+            layer_mask = windowed_masks.get(self.config.layer_window(i), mask)
+            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, layer_mask, block_mask, positions)
             keys.append(k)
             values.append(v)
             if i in hidden_layers:

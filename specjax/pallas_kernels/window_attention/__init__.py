@@ -15,6 +15,7 @@ from specjax.pallas_kernels.window_attention.kernel import BlockSizes, window_at
 from specjax.pallas_kernels.window_attention.reference import (
     WindowAttentionDims,
     check_window_attention_shapes,
+    masked_attention,
     merge_attention,
     sliding_window_ranges,
     window_attention_reference,
@@ -27,6 +28,7 @@ __all__ = [
     "BlockSizes",
     "WindowAttentionDims",
     "check_window_attention_shapes",
+    "masked_attention",
     "merge_attention",
     "sliding_window_ranges",
     "window_attention",

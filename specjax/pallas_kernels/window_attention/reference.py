@@ -99,14 +99,24 @@ def window_attention_reference(q, k, v, starts, ends):
     Differentiable in q, k and v.
     """
     dims = check_window_attention_shapes(q, k, v, starts, ends)
-    batch, num_queries = dims.batch, dims.num_queries
     key_index = jnp.arange(dims.num_keys, dtype=jnp.int32)  # [S]
     visible = (key_index >= starts[..., None]) & (key_index < ends[..., None])  # [B, T, S]
-    visible = visible[:, None, None]  # [B, 1, 1, T, S] against scores [B, Kh, G, T, S]
+    return masked_attention(q, k, v, visible)
 
-    grouped_q = q.reshape(batch, num_queries, dims.num_kv_heads, dims.group_size, dims.head_dim)  # [B, T, Kh, G, D]
+
+def masked_attention(q, k, v, visible):
+    """Attention under an explicit mask, with its log-sum-exp: for small key sets (a block's own
+    keys, summary tokens) that are merged with windowed attention by `merge_attention`.
+
+    q: [B, T, H, D]; k, v: [B, S, Kh, D]; visible: [B, T, S] bool. Returns (out [B, T, H, D] in
+    q.dtype, lse [B, T, H] float32), zeros and MASK_VALUE for a query that sees nothing.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    visible = visible[:, None, None]  # [B, 1, 1, T, S] against scores [B, Kh, G, T, S]
+    grouped_q = q.reshape(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, Kh, G, D]
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", grouped_q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible, scores * (dims.head_dim**-0.5), MASK_VALUE)  # [B, Kh, G, T, S]
+    scores = jnp.where(visible, scores * (head_dim**-0.5), MASK_VALUE)  # [B, Kh, G, T, S]
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Kh, G, T, 1]
@@ -114,8 +124,8 @@ def window_attention_reference(q, k, v, starts, ends):
     probs = (weights / jnp.where(seen, total, 1.0)).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)  # [B, T, Kh, G, D]
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)), MASK_VALUE)[..., 0]  # [B, Kh, G, T]
-    out = out.reshape(batch, num_queries, dims.num_heads, dims.head_dim).astype(q.dtype)
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, num_queries, dims.num_heads)  # [B, T, H]
+    out = out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, num_queries, num_heads)  # [B, T, H]
     return out, lse
 
 

@@ -1,0 +1,128 @@
+"""Sliding-window targets (Mistral: every layer slides; Qwen3 with layer_types: full and sliding layers
+alternate) against transformers, through both attention implementations and every decode method."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax.decode.engine import Engine
+from specjax.errors import SpecjaxError
+from specjax.io.hf import config_from_hf, load_hf_model, save_hf_model
+from specjax.io.registry import LoadedModel, load_model
+from specjax.models.cache import KVCache
+from specjax.models.transformer import forward
+
+from conftest import build_tiny_hf
+
+# Longer than every window (4 and 5 keys), so the windows bite.
+PROMPT = [5, 17, 3, 88, 42, 9, 1, 60, 2, 33, 7, 7, 11, 20, 31, 44]
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen3-sliding"])
+def sliding_hf(request, tmp_path_factory):
+    model = build_tiny_hf(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, model, folder
+
+
+def test_config_reads_the_sliding_layers(sliding_hf):
+    arch, _, folder = sliding_hf
+    config, _ = load_hf_model(folder)
+    if arch == "mistral":
+        assert config.architecture == "MistralForCausalLM" and config.sliding_window == 5
+        assert [config.layer_window(i) for i in range(2)] == [5, 5]
+    else:
+        assert config.sliding_window == 4 and config.layer_types == ("full_attention", "sliding_attention")
+        assert [config.layer_window(i) for i in range(2)] == [None, 4]
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_logits_match_transformers(sliding_hf, attention):
+    _, model, folder = sliding_hf
+    config, params = load_hf_model(folder)
+    config = dataclasses.replace(config, attention=attention)
+    cache = KVCache.zeros(config, 1, 32)
+    out = forward(params, config, jnp.asarray([PROMPT]), jnp.arange(len(PROMPT))[None], cache,
+                  jnp.zeros((1,), jnp.int32))
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0].numpy()
+    full = dataclasses.replace(config, sliding_window=None, layer_types=())
+    out_full = forward(params, full, jnp.asarray([PROMPT]), jnp.arange(len(PROMPT))[None], cache,
+                       jnp.zeros((1,), jnp.int32))
+    # The window changes the model: without it, late positions differ clearly.
+    assert np.abs(np.asarray(out_full.logits[0, -1]) - ref[-1]).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(out.logits[0]), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_incremental_decode_matches_full_forward(sliding_hf, attention):
+    """Prefill 9 tokens, then 4 + 3: every later token's window reaches back into the cache."""
+    _, _, folder = sliding_hf
+    config, params = load_hf_model(folder)
+    config = dataclasses.replace(config, attention=attention)
+    tokens = jnp.asarray([PROMPT])
+    full = forward(params, config, tokens, jnp.arange(16)[None], KVCache.zeros(config, 1, 32),
+                   jnp.zeros((1,), jnp.int32)).logits
+    cache, pieces, start = KVCache.zeros(config, 1, 32), [], 0
+    for size in (9, 4, 3):
+        out = forward(params, config, tokens[:, start:start + size], jnp.arange(start, start + size)[None], cache,
+                      jnp.full((1,), start, jnp.int32))
+        cache, start = out.cache, start + size
+        pieces.append(out.logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_identical_to_transformers(sliding_hf):
+    _, model, folder = sliding_hf
+    engine = Engine(load_model(str(folder)))
+    ours = engine.generate([PROMPT], max_new_tokens=14, ignore_eos=True).tokens[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=14, do_sample=False, min_new_tokens=14,
+                             pad_token_id=0)
+    assert ours == ref[0, len(PROMPT):].tolist()
+
+
+def test_save_round_trip_keeps_the_window(sliding_hf, tmp_path):
+    arch, _, folder = sliding_hf
+    config, params = load_hf_model(folder)
+    save_hf_model(tmp_path, config, params)
+    again, _ = load_hf_model(tmp_path)
+    assert again == config
+
+
+def test_config_variants():
+    base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4,
+                num_attention_heads=2, intermediate_size=8)
+    assert config_from_hf({**base, "sliding_window": 8}).sliding_window is None  # use_sliding_window off
+    cfg = config_from_hf({**base, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2})
+    assert cfg.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    mistral = dict(base, architectures=["MistralForCausalLM"])
+    assert config_from_hf(mistral).sliding_window == 4096  # transformers' default
+    assert config_from_hf({**mistral, "sliding_window": None}).sliding_window is None
+    with pytest.raises(SpecjaxError, match="layer type 'chunked_attention'"):
+        config_from_hf({**base, "use_sliding_window": True, "layer_types": ["chunked_attention"] * 4})
+    with pytest.raises(SpecjaxError, match="names 2 layers"):
+        config_from_hf({**base, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2})
+    with pytest.raises(SpecjaxError, match="not supported"):
+        config_from_hf(dict(base, architectures=["Gemma2ForCausalLM"]))
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, method):
+    """The shared tiny target made to slide (window 6 in layer 1): chain and tree decoding give its
+    greedy output exactly. Tree nodes sit at slot != position, which the window must respect."""
+    sliding = dataclasses.replace(target.config, sliding_window=6, layer_types=("full_attention", "sliding_attention"))
+    model = LoadedModel("tiny-sliding", sliding, target.params, None, (3,))
+    engine = Engine(model, drafter)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 4, 5], [2, 1, 4]]
+    reference = engine.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens
+    plain = Engine(LoadedModel("tiny", target.config, target.params, None, (3,)), drafter)
+    assert plain.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens != reference
+    assert engine.generate(prompts, max_new_tokens=24, method=method, ignore_eos=True).tokens == reference
