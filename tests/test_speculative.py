@@ -234,8 +234,8 @@ def test_qwen3_style_dflash_checkpoint_with_mask_token(target, tmp_path):
 def test_training_and_decoding_compute_the_same_draft(target, drafter, tmp_path):
     """The block-sparse training pass and the cached decode pass give the same logits for a block,
     so what training optimises is what decoding uses."""
-    from specjax.decode.speculative import append_context, draft_block
-    from specjax.models.drafter import empty_context_cache
+    from specjax.decode.context import append_context, empty_context_cache
+    from specjax.decode.speculative import draft_block
     from specjax.models.transformer import head_matrix
     from specjax.train.drafter import drafter_block_logits
 

@@ -27,7 +27,7 @@ from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
-from specjax.models.drafter import empty_context_cache
+from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix

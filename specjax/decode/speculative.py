@@ -21,7 +21,8 @@ from specjax.decode.verify import accept_greedy, accept_sampled
 from specjax.errors import SpecjaxError
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values, empty_context_cache
+from specjax.decode.context import DrafterContext, append_context, context_key_sets, prefill_context
+from specjax.models.drafter import Drafter, DrafterConfig
 from specjax.models.layers import attention_mask
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
 from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
@@ -44,8 +45,8 @@ class ChainState:
     done: jax.Array
     """[B] bool."""
     target_cache: KVCache
-    context_cache: KVCache
-    """Drafter context K/V, one entry per committed token."""
+    context_cache: DrafterContext
+    """Drafter context: K/V per committed token, or the bounded windowed state (decode/context.py)."""
     rng: jax.Array
     accepted_histogram: jax.Array
     """[B, block] int32: verify steps that accepted n drafts, n = 0..block-1."""
@@ -70,6 +71,11 @@ def draft_block_states(target_params, target_config: TransformerConfig, drafter_
     drafter = Drafter(drafter_config)
     x = drafter.apply({"params": drafter_params}, embed_tokens(target_params, target_config, block_tokens), is_mask,
                       method=Drafter.block_inputs)
+    if drafter_config.window is not None:
+        h = drafter.apply({"params": drafter_params}, x, positions,
+                          context_key_sets(drafter_config, context_cache, lengths, block),
+                          jnp.ones((batch, block, block), bool), method=Drafter.windowed)  # [B, Bk, d]
+        return h[:, 1:]
     mask = attention_mask(lengths, block, context_cache.max_length, jnp.ones((batch, block, block), bool))
     h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
                       lengths)  # [B, Bk, d]
@@ -169,16 +175,6 @@ def _draft_and_refine(target_params, target_config: TransformerConfig, drafter_p
     return _to_full_vocabulary(draft_index, q, draft_vocab, target_config.vocab_size) + (passes,)
 
 
-def append_context(drafter_params, drafter_config: DrafterConfig, context_cache: KVCache, features, positions,
-                   write_index) -> KVCache:
-    """Write drafter context K/V for features [B, T, taps, d] at slots write_index[b].."""
-    kv = context_keys_values(drafter_params, drafter_config, features, positions)
-    return KVCache(
-        keys=tuple(write_rows(c, k, write_index) for c, (k, _) in zip(context_cache.keys, kv)),
-        values=tuple(write_rows(c, v, write_index) for c, (_, v) in zip(context_cache.values, kv)),
-    )
-
-
 def start_speculation(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
                       prompt_tokens, prompt_lengths, cache_length: int, sampling: SamplingConfig, rng):
     """Prefill the target, fill the drafter's context cache with the prompt's features, and sample
@@ -186,9 +182,7 @@ def start_speculation(target_params, target_config: TransformerConfig, drafter_p
     batch, prompt_len = prompt_tokens.shape
     logits, target_cache, features = prefill(target_params, target_config, prompt_tokens, prompt_lengths,
                                              cache_length, hidden_layers=drafter_config.target_layer_ids)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    context_cache = append_context(drafter_params, drafter_config, empty_context_cache(drafter_config, batch, cache_length),
-                                   features, positions, jnp.zeros((batch,), jnp.int32))
+    context_cache = prefill_context(drafter_params, drafter_config, batch, cache_length, features, prompt_lengths)
     return sample(logits, rng, sampling), target_cache, context_cache
 
 
@@ -284,7 +278,7 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
         live = ~s.done
         slot = jnp.arange(block, dtype=jnp.int32)[None, :]
         context_cache = append_context(drafter_params, drafter_config, s.context_cache, out.hidden,
-                                       verify_positions, s.lengths)
+                                       verify_positions, s.lengths, s.lengths + advance)
         histogram = s.accepted_histogram + live[:, None] * (slot == n[:, None])
         return ChainState(
             step=s.step + 1,

@@ -32,7 +32,8 @@ from flax import struct
 from specjax.decode.budget import TreeCosts, chosen_tree_size
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits
-from specjax.decode.speculative import (ChainState, RefinerInputs, append_context, commit_tokens,
+from specjax.decode.context import append_context
+from specjax.decode.speculative import (ChainState, RefinerInputs, commit_tokens,
                                         draft_block_states, start_speculation)
 from specjax.errors import SpecjaxError
 from specjax.models.cache import KVCache, write_rows
@@ -416,7 +417,7 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
                                                              next_token, eos, max_new_tokens)
         path_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [B, K+1]
         context_cache = append_context(drafter_params, drafter_config, s.context_cache, features, path_positions,
-                                       s.lengths)
+                                       s.lengths, s.lengths + advance)
         slot = jnp.arange(block, dtype=jnp.int32)[None, :]
         return TreeState(
             step=s.step + 1,

@@ -18,10 +18,42 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax import struct
 
 from specjax.models.cache import KVCache, write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_query_attention, rope_tables
+from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterWindow:
+    """Sliding-window drafting with summary tokens (SW-SpeedDLM-style): the drafter attends to the
+    last `window` context positions raw, plus `summaries` tokens for every finished segment of
+    `segment` positions, so its state is O(window + summaries * n / segment) instead of O(n)."""
+
+    window: int = 256
+    """Most recent context positions attended raw. Free to change at decode time."""
+    segment: int = 64
+    """Positions per segment; a segment is summarised once the committed length passes its end.
+    Fixed by the trained compressor; at least the drafter's block size."""
+    summaries: int = 2
+    """Summary tokens per finished segment. Fixed by the trained compressor."""
+
+    def __post_init__(self):
+        for name in ("window", "segment", "summaries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DrafterWindow.{name} must be positive, got {getattr(self, name)}")
+
+    def ring_slots(self, block_size: int) -> int:
+        """Slots of the raw-context ring: the window plus one block, so writing a block's features
+        never overwrites positions the window still needs."""
+        return self.window + block_size
+
+    def summary_slots(self, cache_length: int) -> int:
+        """Summary slots for a context of cache_length positions (at least one segment's worth, so
+        no array has a zero-length axis)."""
+        return self.summaries * max(1, cache_length // self.segment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +89,16 @@ class DrafterConfig:
     """RMSNorm on queries and keys per head (Qwen3-style drafters)."""
     dtype: str = "float32"
     """Compute dtype."""
+    window: DrafterWindow | None = None
+    """Sliding-window drafting with summary tokens (needs trained compressor params under
+    params["compressor"]); None attends to the whole context."""
 
     def __post_init__(self):
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.window is not None and self.window.segment < self.block_size:
+            raise ValueError(f"DrafterWindow.segment={self.window.segment} must be at least the block size "
+                             f"{self.block_size} (a block's writes may not reach a segment still being summarised)")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
 
@@ -136,6 +174,38 @@ class DrafterLayer(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, cos, sin), v
 
+    def block_qkv(self, x, cos, sin):
+        """Queries, keys and values of the block states x [B, Q, d]: [B, Q, H, D], two [B, Q, K, D]."""
+        cfg = self.config
+        batch, num_q, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).reshape(batch, num_q, cfg.num_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.keys_values(h, cos, sin)
+        return apply_rope(q, cos, sin), k, v
+
+    def finish(self, x, attention_out):
+        """Residual attention output and MLP. attention_out: [B, Q, H, D]."""
+        cfg = self.config
+        batch, num_q = x.shape[:2]
+        x = x + self.o_proj(attention_out.reshape(batch, num_q, cfg.num_heads * cfg.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def windowed(self, x, cos, sin, key_sets, own_visible, implementation: str):
+        """Attention over the block's own keys (own_visible [B, Q, Q]) and over each ContextKeys of
+        key_sets (this layer's entries), merged by log-sum-exp. Ranged sets go through the windowed-
+        attention kernel when implementation == "pallas"."""
+        q, k, v = self.block_qkv(x, cos, sin)
+        parts = [masked_attention(q, k, v, own_visible)]
+        for keys, values, visible, starts, ends in key_sets:
+            if visible is not None:
+                parts.append(masked_attention(q, keys, values, visible))
+            else:
+                parts.append(window_attention_op(q, keys, values, starts, ends, implementation=implementation))
+        out, _ = merge_attention(parts)
+        return self.finish(x, out)
+
     def __call__(self, x, cos, sin, context_k, context_v, mask, write_index=None):
         """x: [B, Q, d] block states. context_k/v: [B, S, K, D].
 
@@ -143,21 +213,58 @@ class DrafterLayer(nn.Module):
         (decode: a cache whose slots >= write_index are free); without it they are appended after
         the S context entries (training). mask: [B, Q, S] or [B, Q, S + Q] accordingly.
         """
-        cfg = self.config
-        batch, num_q, _ = x.shape
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).reshape(batch, num_q, cfg.num_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos, sin)
-        k, v = self.keys_values(h, cos, sin)
+        q, k, v = self.block_qkv(x, cos, sin)
         if write_index is None:
             keys, values = jnp.concatenate([context_k, k], axis=1), jnp.concatenate([context_v, v], axis=1)
         else:
             keys, values = write_rows(context_k, k, write_index), write_rows(context_v, v, write_index)
-        out = grouped_query_attention(q, keys, values, mask)  # [B, Q, H, D]
-        x = x + self.o_proj(out.reshape(batch, num_q, cfg.num_heads * cfg.head_dim))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.finish(x, grouped_query_attention(q, keys, values, mask))  # attention: [B, Q, H, D]
+
+
+class SegmentCompressor(nn.Module):
+    """Attention pooling of a segment's context states into a few summary states.
+
+    Each of the C learned queries scores the segment's S states through a key projection, and its
+    summary is the softmax-weighted mean of the states through an output projection. Queries start at
+    zero and the output projection at the identity, so an untrained compressor gives the segment's
+    mean state: a summary that already looks like context to the drafter."""
+
+    summaries: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, states):
+        """states: [B, N, S, d] pre-norm context states of N segments -> [B, N, C, d]."""
+        width = states.shape[-1]
+        queries = self.param("queries", nn.initializers.zeros, (self.summaries, width))
+        keys = nn.Dense(width, use_bias=False, dtype=self.dtype, name="key_proj")(states)  # [B, N, S, d]
+        scores = jnp.einsum("cd,bnsd->bncs", queries.astype(keys.dtype), keys,
+                            preferred_element_type=jnp.float32) * width**-0.5
+        weights = jax.nn.softmax(scores, axis=-1).astype(states.dtype)  # [B, N, C, S]
+        pooled = jnp.einsum("bncs,bnsd->bncd", weights, states)
+        identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], shape[1], dtype=dtype)  # noqa: E731
+        return nn.Dense(width, use_bias=False, dtype=self.dtype, kernel_init=identity, name="out_proj")(pooled)
+
+
+@struct.dataclass
+class ContextKeys:
+    """One set of context keys the windowed drafter attends to, for every drafter layer, with its
+    visibility either as a dense mask (small sets: the ring, the summaries) or as one key range per
+    query (long sets in training, through the windowed-attention kernel)."""
+
+    keys: tuple[jax.Array, ...]
+    """Per layer [B, S, K, D]."""
+    values: tuple[jax.Array, ...]
+    """Per layer [B, S, K, D]."""
+    visible: jax.Array | None = None
+    """[B, Q, S] bool, or None when starts/ends are given."""
+    starts: jax.Array | None = None
+    """[B, Q] int32: first visible key per query."""
+    ends: jax.Array | None = None
+    """[B, Q] int32: one past the last visible key per query."""
+
+    def layer(self, i: int):
+        return self.keys[i], self.values[i], self.visible, self.starts, self.ends
 
 
 class Drafter(nn.Module):
@@ -172,16 +279,44 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
         if cfg.mask_token_id is None:
             self.mask_embedding = self.param("mask_embedding", nn.initializers.normal(0.02), (cfg.hidden_size,))
+        if cfg.window is not None:
+            self.compressor = SegmentCompressor(cfg.window.summaries, dtype)
+
+    def context_states(self, features):
+        """features: [B, C, n_taps, d] target hidden states -> [B, C, d] pre-norm context states
+        (what the windowed drafter keeps for segments not yet summarised)."""
+        batch, length = features.shape[:2]
+        return self.fc(features.reshape(batch, length, -1).astype(jnp.dtype(self.config.dtype)))
+
+    def states_keys_values(self, states, positions):
+        """Pre-norm context states [B, C, d] at positions [B, C] -> ((k, v) per layer), each [B, C, K, D]."""
+        cos, sin = rope_tables(self.config.layer_config, positions)
+        h = self.hidden_norm(states)
+        return tuple(layer.keys_values(h, cos, sin) for layer in self.layers)
 
     def context_keys_values(self, features, positions):
         """features: [B, C, n_taps, d] target hidden states; positions: [B, C].
 
         Returns ((k, v) per layer), each [B, C, K, D]: what the cache stores per committed token.
         """
-        batch, length = features.shape[:2]
-        h = self.hidden_norm(self.fc(features.reshape(batch, length, -1).astype(jnp.dtype(self.config.dtype))))
+        return self.states_keys_values(self.context_states(features), positions)
+
+    def summary_keys_values(self, segment_states, positions):
+        """Summaries of N segments: segment_states [B, N, S, d] pre-norm states; positions [B, N] the
+        position each segment's summaries sit at (its middle). Returns ((k, v) per layer), each
+        [B, N*C, K, D], summary c of segment n at index n*C + c."""
+        summary = self.compressor(segment_states)  # [B, N, C, d]
+        batch, count, per_segment, width = summary.shape
+        return self.states_keys_values(summary.reshape(batch, count * per_segment, width),
+                                       jnp.repeat(positions, per_segment, axis=1))
+
+    def windowed(self, x, positions, key_sets, own_visible, implementation: str = "xla"):
+        """The windowed drafter pass: x [B, Q, d] block inputs at positions [B, Q]; key_sets a
+        sequence of ContextKeys; own_visible [B, Q, Q] among the block slots. Returns [B, Q, d]."""
         cos, sin = rope_tables(self.config.layer_config, positions)
-        return tuple(layer.keys_values(h, cos, sin) for layer in self.layers)
+        for i, layer in enumerate(self.layers):
+            x = layer.windowed(x, cos, sin, [ks.layer(i) for ks in key_sets], own_visible, implementation)
+        return self.norm(x)
 
     def block_inputs(self, token_embeds, is_mask):
         """token_embeds: [B, Q, d]; is_mask: [B, Q] bool -> [B, Q, d] with mask slots replaced."""
@@ -208,12 +343,19 @@ def init_drafter_params(config: DrafterConfig, rng: jax.Array):
         return module(x, jnp.zeros((batch, q), jnp.int32), tuple(k for k, _ in kv), tuple(v for _, v in kv),
                       jnp.ones((batch, q, ctx + q), bool))
 
-    return Drafter(config).init(rng, method=touch_everything)["params"]
+    params = Drafter(config).init(rng, method=touch_everything)["params"]
+    if config.window is not None:
+        params = {**params, "compressor": init_compressor_params(config, jax.random.fold_in(rng, 1))}
+    return params
+
+
+def init_compressor_params(config: DrafterConfig, rng: jax.Array):
+    """Fresh compressor params for a windowed drafter config (zero queries, identity output)."""
+    if config.window is None:
+        raise ValueError("the drafter config has no window; set DrafterConfig.window first")
+    states = jnp.zeros((1, 1, config.window.segment, config.hidden_size))
+    return SegmentCompressor(config.window.summaries, jnp.dtype(config.dtype)).init(rng, states)["params"]
 
 
 def context_keys_values(params, config: DrafterConfig, features, positions):
     return Drafter(config).apply({"params": params}, features, positions, method=Drafter.context_keys_values)
-
-
-def empty_context_cache(config: DrafterConfig, batch: int, length: int) -> KVCache:
-    return KVCache.zeros(config.layer_config, batch, length)

@@ -28,7 +28,7 @@ import optax
 
 from specjax.errors import SpecjaxError
 from specjax.models.config import TransformerConfig
-from specjax.models.drafter import Drafter, DrafterConfig, context_keys_values
+from specjax.models.drafter import ContextKeys, Drafter, DrafterConfig, context_keys_values
 from specjax.models.transformer import apply_head, embed_tokens, head_matrix
 
 
@@ -189,8 +189,12 @@ def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_p
 
 
 def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
-                         tokens, features, anchors):
-    """The drafter's final states of every anchor's slots 1..B-1 in one pass: [b, A, B-1, d]."""
+                         tokens, features, anchors, attention: str = "xla"):
+    """The drafter's final states of every anchor's slots 1..B-1 in one pass: [b, A, B-1, d].
+
+    A windowed drafter (drafter_config.window) sees, per block, the `window` context positions before
+    its anchor (one key range per query: through the windowed-attention kernel when attention ==
+    "pallas"), the summaries of the segments finished before its anchor, and its own slots."""
     b, seq_len = tokens.shape
     num_anchors, block = anchors.shape[1], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
@@ -203,15 +207,45 @@ def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_p
     x = drafter.apply({"params": drafter_params}, embed_tokens(target_params, target_config, block_tokens), is_mask,
                       method=Drafter.block_inputs)  # [b, A*Bk, d]
     ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
+    query_anchor = jnp.repeat(anchors, block, axis=1)  # [b, A*Bk]
+    block_id = jnp.repeat(jnp.arange(num_anchors), block)
+    if drafter_config.window is not None:
+        own = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, num_anchors * block, num_anchors * block))
+        key_sets = windowed_training_key_sets(drafter_params, drafter_config, features, query_anchor)
+        h = drafter.apply({"params": drafter_params}, x, positions, key_sets, own, attention, method=Drafter.windowed)
+        return h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
     kv = context_keys_values(drafter_params, drafter_config, features, ctx_positions)
     # Block-sparse mask as [queries, context + blocks]: context strictly before the anchor, plus own block.
-    query_anchor = jnp.repeat(anchors, block, axis=1)  # [b, A*Bk]
     sees_context = jnp.arange(seq_len)[None, None, :] < query_anchor[:, :, None]  # [b, A*Bk, T]
-    block_id = jnp.repeat(jnp.arange(num_anchors), block)
     sees_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, num_anchors * block, num_anchors * block))
     mask = jnp.concatenate([sees_context, sees_block], axis=2)
     h = drafter.apply({"params": drafter_params}, x, positions, tuple(k for k, _ in kv), tuple(v for _, v in kv), mask)
     return h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
+
+
+def windowed_training_key_sets(drafter_params, drafter_config: DrafterConfig, features, query_anchor):
+    """The context a windowed drafter's training queries see: the raw window before each query's
+    anchor as key ranges, and the summaries of the segments finished before it (masked).
+    features: [b, T, taps, d]; query_anchor: [b, Q]. Returns a list of ContextKeys."""
+    window = drafter_config.window
+    b, seq_len = features.shape[:2]
+    drafter = Drafter(drafter_config)
+    apply = lambda method, *args: drafter.apply({"params": drafter_params}, *args, method=method)  # noqa: E731
+    states = apply(Drafter.context_states, features)  # [b, T, d]
+    ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
+    kv = apply(Drafter.states_keys_values, states, ctx_positions)
+    key_sets = [ContextKeys(tuple(k for k, _ in kv), tuple(v for _, v in kv),
+                            starts=jnp.maximum(query_anchor - window.window, 0).astype(jnp.int32),
+                            ends=query_anchor.astype(jnp.int32))]
+    num_segments = seq_len // window.segment
+    if num_segments:
+        segments = states[:, : num_segments * window.segment].reshape(b, num_segments, window.segment, -1)
+        centres = jnp.arange(num_segments, dtype=jnp.int32) * window.segment + window.segment // 2
+        summary_kv = apply(Drafter.summary_keys_values, segments, jnp.broadcast_to(centres, (b, num_segments)))
+        slots = jnp.arange(num_segments * window.summaries, dtype=jnp.int32)
+        visible = slots[None, None, :] < ((query_anchor // window.segment) * window.summaries)[:, :, None]
+        key_sets.append(ContextKeys(tuple(k for k, _ in summary_kv), tuple(v for _, v in summary_kv), visible=visible))
+    return key_sets
 
 
 def _draft_labels(batch: dict, block: int, label_index):
