@@ -34,7 +34,7 @@ class DrafterWindow:
 
     window: int = 256
     """Most recent context positions attended raw. Free to change at decode time."""
-    segment: int = 64
+    segment: int = 128
     """Positions per segment; a segment is summarised once the committed length passes its end.
     Fixed by the trained compressor; at least the drafter's block size."""
     summaries: int = 2
@@ -44,6 +44,9 @@ class DrafterWindow:
         for name in ("window", "segment", "summaries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DrafterWindow.{name} must be positive, got {getattr(self, name)}")
+        if self.window < self.segment:
+            # Otherwise the unfinished segment's oldest positions would be neither in the window nor summarised.
+            raise ValueError(f"DrafterWindow.window={self.window} must be at least the segment {self.segment}")
 
     def ring_slots(self, block_size: int) -> int:
         """Slots of the raw-context ring: the window plus one block, so writing a block's features

@@ -160,6 +160,8 @@ def drafter_fingerprint(drafter_params, draft_vocab=None) -> str:
     import ml_dtypes
 
     digest = hashlib.sha256()
+    # A windowed drafter's segment compressor is an add-on, not part of the drafter's identity.
+    drafter_params = {k: v for k, v in drafter_params.items() if k != "compressor"}
     for path, leaf in sorted(traverse_util.flatten_dict(drafter_params, sep="/").items()):
         digest.update(path.encode())
         digest.update(np.asarray(leaf, np.float32).astype(ml_dtypes.bfloat16).tobytes())

@@ -181,10 +181,11 @@ def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step
 
 
 def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
-                         tokens, features, anchors, head):
+                         tokens, features, anchors, head, attention: str = "xla"):
     """Logits of every anchor's block in one pass. tokens: [b, T]; features: [b, T, taps, d];
     anchors: [b, A]; head: [d, V'] output matrix. Returns [b, A, B-1, V'] for slots 1..B-1."""
-    h = drafter_block_states(drafter_params, drafter_config, target_params, target_config, tokens, features, anchors)
+    h = drafter_block_states(drafter_params, drafter_config, target_params, target_config, tokens, features, anchors,
+                             attention)
     return apply_head(h, head)
 
 
@@ -291,12 +292,13 @@ def label_index_for(draft_vocab, vocab_size: int):
 
 
 def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, target_params,
-                 target_config: TransformerConfig, gamma: float, draft_vocab=None, label_index=None):
+                 target_config: TransformerConfig, gamma: float, draft_vocab=None, label_index=None,
+                 attention: str = "xla"):
     """Decay-weighted cross-entropy over block slots. Returns (loss, {"slot1_accuracy": ...})."""
     block = drafter_config.block_size
     head = head_matrix(target_params, target_config, draft_vocab)
     logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
-                                  batch["features"], batch["anchors"], head)  # [b, A, K, V']
+                                  batch["features"], batch["anchors"], head, attention)  # [b, A, K, V']
     labels, valid = _draft_labels(batch, block, label_index)
     weight = valid * jnp.exp(-(jnp.arange(1, block) - 1) / gamma)  # [b, A, K]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
