@@ -125,6 +125,71 @@ def cmd_generate(args) -> int:
               f"verified: {sizes}", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
+    print(f"[{s['method']}] memory: {_memory_line(s['memory'])}", file=sys.stderr)
+    return 0
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def _memory_line(m: dict) -> str:
+    line = (f"target KV {_mib(m['target_kv_bytes'])} for {m['cache_length']} slots "
+            f"({m['target_kv_bytes_per_token'] / 1024:.1f} KiB/token)")
+    if "drafter_state_bytes" in m:
+        line += f", drafter state {_mib(m['drafter_state_bytes'])} ({m['drafter_attention']})"
+    return line + f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"
+
+
+def cmd_memory(args) -> int:
+    import dataclasses
+
+    from specjax.io.dflash import check_pair
+    from specjax.io.registry import load_model, resolve_compressor, resolve_drafter
+    from specjax.models.drafter import DrafterWindow, init_compressor_params
+    from specjax.monitor.memory import memory_report, plot_memory_report
+
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    except ValueError:
+        raise SpecjaxError(f"--contexts must be comma-separated token counts, got {args.contexts!r}") from None
+    if not contexts or min(contexts) < 1:
+        raise SpecjaxError("--contexts needs at least one positive token count")
+    model = load_model(args.model)
+    if max(contexts) > model.config.max_position_embeddings:
+        print(f"specjax: note: {max(contexts)} tokens exceed {model.name}'s max_position_embeddings "
+              f"{model.config.max_position_embeddings}; sizes are still exact", file=sys.stderr)
+    drafter = resolve_drafter(args.drafter, args.model)
+    check_pair(drafter, model.config)
+    params = drafter.params
+    if args.compressor == "none":  # shapes only: an untrained compressor has the same size
+        window = DrafterWindow(args.window or 256, args.segment, args.summaries)
+        params = {**params, "compressor": init_compressor_params(
+            dataclasses.replace(drafter.config, window=window), __import__("jax").random.key(0))}
+    else:
+        compressor = resolve_compressor(args.compressor, args.model)
+        window = dataclasses.replace(compressor.window, window=args.window or compressor.window.window)
+        params = {**params, "compressor": compressor.params}
+    report = memory_report(model.config, model.params, drafter.config, params, window, contexts, args.batch,
+                           progress=not args.json)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print("| context | target KV | drafter state, full | drafter state, windowed | step peak, full | "
+          "step peak, windowed |")
+    print("|" + "---|" * 6)
+    peak = lambda name, i: report["peak_bytes"][name][i]  # noqa: E731
+    above = lambda name, i: None if peak(name, i) is None else peak(name, i) - report["weights_bytes"][name]  # noqa: E731
+    for i, n in enumerate(contexts):
+        print(f"| {n} | {_mib(report['target_kv_bytes'][i])} | {_mib(report['drafter_kv_bytes']['full'][i])} | "
+              f"{_mib(report['drafter_kv_bytes']['windowed'][i])} | {_mib(peak('full', i))} "
+              f"({_mib(above('full', i))} above weights) | {_mib(peak('windowed', i))} "
+              f"({_mib(above('windowed', i))} above weights) |")
+    print(f"(batch {args.batch}; window {window.window}, segment {window.segment}, {window.summaries} summaries; "
+          f"peaks: {report['peak_source']} of one drafting step, whose weights are the token embedding and the "
+          f"drafter)")
+    plot_memory_report(report, args.plot)
+    print(f"plot written to {args.plot}")
     return 0
 
 
@@ -139,6 +204,11 @@ def _drafter_for(args, model):
         return None
     drafter = resolve_drafter(args.drafter, args.model)
     check_pair(drafter, model.config, getattr(args, "block_size", None))
+    if getattr(args, "drafter_window", 0):
+        from specjax.io.compressor import windowed_drafter
+        from specjax.io.registry import resolve_compressor
+
+        drafter = windowed_drafter(drafter, resolve_compressor(args.compressor, args.model), args.drafter_window)
     return drafter
 
 
@@ -319,6 +389,20 @@ def cmd_train_refiner(args) -> int:
     return 0
 
 
+def cmd_train_compressor(args) -> int:
+    from specjax.train.compressor import CompressorRecipe, train_compressor_recipe
+
+    recipe = CompressorRecipe(window=args.window, segment=args.segment, summaries=args.summaries, seq_len=args.seq_len,
+                              sequences=args.sequences, steps=args.steps, learning_rate=args.learning_rate,
+                              seed=args.seed)
+    summary = train_compressor_recipe(args.model, args.drafter, args.out, recipe)
+    print(json.dumps(summary) if args.json else
+          f"compressor written to {summary['compressor']} (held-out tau estimate: full attention "
+          f"{summary['tau_full_attention']:.3f}, windowed {summary['tau_windowed_trained']:.3f}, "
+          f"windowed with mean-pooled summaries {summary['tau_windowed_untrained']:.3f})")
+    return 0
+
+
 def _add_tree_options(parser) -> None:
     parser.add_argument("--tree-budget", default="auto",
                         help="tree methods: 'auto' (the budget rule picks the size each step from measured "
@@ -330,6 +414,14 @@ def _add_tree_options(parser) -> None:
                              "default 1..64 on CPU, 16..256 on GPU/TPU")
     parser.add_argument("--tree-top-k", type=int, default=16, help="candidate tokens per depth (best-first)")
     parser.add_argument("--tree-width", type=int, default=2, help="tokens per depth of the fixed-shape tree")
+
+
+def _add_window_options(parser) -> None:
+    parser.add_argument("--drafter-window", type=int, default=0,
+                        help="windowed drafting: the drafter attends to the last N context positions plus summary "
+                             "tokens of older segments (bounded drafter memory); 0 = full attention")
+    parser.add_argument("--compressor", default="default",
+                        help="segment compressor for --drafter-window: default or a compressor folder")
 
 
 def _add_refiner_options(parser) -> None:
@@ -358,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
     _add_refiner_options(gen)
     _add_tree_options(gen)
+    _add_window_options(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -374,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner")
     _add_refiner_options(bench)
     _add_tree_options(bench)
+    _add_window_options(bench)
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -389,6 +483,21 @@ def build_parser() -> argparse.ArgumentParser:
                                        "draft trees), against autoregressive")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.set_defaults(func=cmd_demo)
+
+    mem = sub.add_parser("memory", help="KV and drafter-state bytes against context length, full against windowed "
+                                        "drafter attention, with measured peaks")
+    mem.add_argument("--model", default=DEFAULT_MODEL)
+    mem.add_argument("--drafter", default="default")
+    mem.add_argument("--compressor", default="default",
+                     help="windowed variant's compressor: default, a folder, or 'none' (untrained; sizes are the same)")
+    mem.add_argument("--contexts", default="1024,2048,4096,8192", help="comma-separated context lengths")
+    mem.add_argument("--window", type=int, default=0, help="raw window of the windowed variant (0: the compressor's)")
+    mem.add_argument("--segment", type=int, default=128, help="with --compressor none: positions per segment")
+    mem.add_argument("--summaries", type=int, default=2, help="with --compressor none: summaries per segment")
+    mem.add_argument("--batch", type=int, default=1)
+    mem.add_argument("--plot", default="memory.png", help="PNG of bytes against context (table mode)")
+    mem.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    mem.set_defaults(func=cmd_memory)
 
     models = sub.add_parser("models", help="list the known model names")
     models.set_defaults(func=cmd_models)
@@ -448,6 +557,22 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=1, help="data and init seed (differs from the drafter's by default)")
     tr.add_argument("--json", action="store_true")
     tr.set_defaults(func=cmd_train_refiner)
+
+    tc = sub.add_parser("train-compressor", help="train the segment compressor of windowed drafting for a frozen "
+                                                 "drafter, on long documents (rerun to resume)")
+    tc.add_argument("--model", default=DEFAULT_MODEL)
+    tc.add_argument("--drafter", default="default", help="the drafter: default or a DFlash-format folder")
+    tc.add_argument("--out", required=True, help="run folder: data/, run/ (checkpoints, metrics), compressor/")
+    tc.add_argument("--window", type=int, default=256, help="raw context positions the drafter attends to")
+    tc.add_argument("--segment", type=int, default=128, help="positions per summarised segment")
+    tc.add_argument("--summaries", type=int, default=2, help="summary tokens per segment")
+    tc.add_argument("--seq-len", type=int, default=1024, help="tokens per training window of a long document")
+    tc.add_argument("--sequences", type=int, default=96, help="training windows")
+    tc.add_argument("--steps", type=int, default=300)
+    tc.add_argument("--learning-rate", type=float, default=3e-3)
+    tc.add_argument("--seed", type=int, default=0)
+    tc.add_argument("--json", action="store_true")
+    tc.set_defaults(func=cmd_train_compressor)
     return parser
 
 

@@ -31,6 +31,7 @@ from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
+from specjax.monitor.memory import decode_memory
 
 METHODS = ("ar", "chain", "chain+refiner", "tree", "tree+refiner")
 SPECULATIVE_METHODS = ("chain", "chain+refiner", "tree", "tree+refiner")
@@ -210,6 +211,8 @@ class Engine:
             "compile_s": compile_s,
             "wall_s": wall_s,
             "new_tokens": new_tokens,
+            "memory": decode_memory(self.model.config, None, shape.batch, shape.cache_length,
+                                    None if shape.streaming else self._compiled[shape]),
         }
         return GenerationResult(rows, stats)
 
@@ -254,6 +257,8 @@ class Engine:
             stats["refine_s"] = refine_passes * refine_cost
             # Passes are counted per loop iteration (all rows of the batch refine together).
             stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
+        stats["memory"] = decode_memory(self.model.config, self.drafter.config, shape.batch, shape.cache_length,
+                                        self._compiled[shape])
         return GenerationResult(rows, stats)
 
     def _generate_tree(self, shape: DecodeRequestShape, args) -> GenerationResult:
@@ -293,6 +298,8 @@ class Engine:
         if shape.tree.auto and stats["verify_steps"]:
             latency.observe(stats["verify_steps"], counts, wall_s)
             self._save_latency(shape, latency)
+        stats["memory"] = decode_memory(self.model.config, self.drafter.config, shape.batch, shape.cache_length,
+                                        self._compiled[shape])
         return GenerationResult(rows, stats)
 
     def _latency_key(self, shape: DecodeRequestShape) -> str:

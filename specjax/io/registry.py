@@ -139,6 +139,19 @@ def resolve_refiner(spec: str, model_name: str):
     return load_refiner(spec)
 
 
+DEFAULT_COMPRESSORS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2" / "compressor"}
+
+
+def resolve_compressor(spec: str, model_name: str):
+    """Load `--compressor`: "default" (the committed compressor of a known model's default drafter) or a folder."""
+    from specjax.io.compressor import load_compressor
+
+    if spec == "default":
+        spec = _default_folder("compressor", DEFAULT_COMPRESSORS, model_name,
+                               "specjax train-compressor --out runs/compressor-smollm2")
+    return load_compressor(spec)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     name: str

@@ -66,3 +66,112 @@ def train_compressor(target_params, target_config: TransformerConfig, drafter_co
         eval_fn = lambda p: {"tau_estimate": float(np.mean([tau(p, b) for b in eval_batches]))}
     trained, _ = train(loss_fn, compressor, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
     return trained
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressorRecipe:
+    """How `specjax train-compressor` builds long-context data and trains a compressor."""
+
+    window: int = 256
+    """Raw context positions the drafter sees while training (decode may use another)."""
+    segment: int = 128
+    """Positions per summarised segment."""
+    summaries: int = 2
+    """Summary tokens per segment."""
+    seq_len: int = 1024
+    """Tokens per training sequence: several windows long, so most anchors need summaries."""
+    sequences: int = 96
+    """Teacher-forced training windows cut from the training split's long documents."""
+    heldout_sequences: int = 12
+    """Windows from the held-out documents, for the tau estimate."""
+    corpora: tuple[str, ...] = ("austen", "gutenberg_novels", "shakespeare")
+    """Corpora of long documents (novels, plays)."""
+    steps: int = 300
+    learning_rate: float = 3e-3
+    sequences_per_batch: int = 4
+    anchors_per_sequence: int = 32
+    seed: int = 0
+
+
+def _long_document_windows(tokenizer, documents, count: int, seq_len: int, first_trainable: int, seed: int):
+    """`count` windows of seq_len tokens at random offsets of random long documents."""
+    rng = np.random.default_rng(seed)
+    long_docs = [d for d in documents if len(d.text) > 8 * seq_len]
+    if not long_docs:
+        raise SpecjaxError(f"no document is long enough for windows of {seq_len} tokens")
+    windows = []
+    while len(windows) < count:
+        doc = long_docs[int(rng.integers(0, len(long_docs)))]
+        start = int(rng.integers(0, len(doc.text) - 8 * seq_len))
+        ids = tokenizer.encode(doc.text[start : start + 8 * seq_len], add_special_tokens=False)
+        if len(ids) >= seq_len:
+            windows.append((ids[:seq_len], first_trainable))
+    return windows
+
+
+def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | Path,
+                            recipe: CompressorRecipe = CompressorRecipe()) -> dict:
+    """Build long-document data, train a compressor for the drafter, save it (bf16) to out/compressor
+    and report the held-out tau estimates of the full-attention, windowed-untrained (mean-pooled
+    summaries) and windowed-trained drafter."""
+    import json
+
+    from specjax.data.corpora import load_split
+    from specjax.io.compressor import save_compressor
+    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.models.refiner import drafter_fingerprint
+    from specjax.train.drafter import build_distillation_set
+    from specjax.train.loop import LoopConfig, OptimizerConfig
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    model = load_model(model_name)
+    drafter = resolve_drafter(drafter_spec, model_name)
+    taps = drafter.config.target_layer_ids
+    window = DrafterWindow(recipe.window, recipe.segment, recipe.summaries)
+    train_docs, heldout_docs = load_split(recipe.corpora)
+
+    def data(name: str, documents, count: int, seed: int):
+        folder = out_dir / "data" / name
+        if (folder / "meta.json").exists():
+            return DistillationSet.open(folder)
+        windows = _long_document_windows(model.tokenizer, documents, count, recipe.seq_len, recipe.window // 2, seed)
+        return build_distillation_set(model.params, model.config, windows, folder, taps, recipe.seq_len,
+                                      teacher_labels=True, batch_size=4)
+
+    train_set = data("train", train_docs, recipe.sequences, recipe.seed)
+    heldout = data("heldout", heldout_docs, recipe.heldout_sequences, recipe.seed + 1)
+    train_config = DrafterTrainConfig(sequences_per_batch=recipe.sequences_per_batch,
+                                      anchors_per_sequence=recipe.anchors_per_sequence)
+    params = train_compressor(
+        model.params, model.config, drafter.config, drafter.params, window, train_set, out_dir / "run",
+        OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(50, recipe.steps // 10),
+                        total_steps=recipe.steps, weight_decay=0.0),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=max(recipe.steps // 5, 1),
+                   checkpoint_every=max(recipe.steps // 5, 1)),
+        train_config, heldout=heldout, draft_vocab=drafter.draft_vocab)
+    fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)
+    save_compressor(out_dir / "compressor", window, drafter.config.hidden_size, params, fingerprint,
+                    dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe)})
+
+    def tau(config, drafter_params):
+        draft_vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab, jnp.int32)
+        label_index = label_index_for(draft_vocab, model.config.vocab_size)
+        fn = jax.jit(lambda p, b: estimate_tau_array(p, config, model.params, model.config, b, draft_vocab,
+                                                     label_index))
+        batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config,
+                                                                  config.block_size)) for i in range(4)]
+        return float(np.mean([fn(drafter_params, b) for b in batches]))
+
+    windowed_config = dataclasses.replace(drafter.config, window=window)
+    untrained = init_compressor_params(windowed_config, jax.random.key(0))
+    summary = {
+        "compressor": str(out_dir / "compressor"),
+        "tau_full_attention": tau(drafter.config, drafter.params),
+        "tau_windowed_untrained": tau(windowed_config, {**drafter.params, "compressor": untrained}),
+        "tau_windowed_trained": tau(windowed_config, {**drafter.params, "compressor": params}),
+        "train_tokens": train_set.num_tokens,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,1 @@
+"""Live accounting of what decoding costs: KV and drafter-state memory (memory.py)."""

@@ -1,0 +1,180 @@
+"""KV and drafter-state memory accounting, and measured peak memory.
+
+Every generate call reports `stats["memory"]` (see `decode_memory`):
+- target_kv_bytes: the target's KV cache as allocated for the call (batch x cache slots), and
+  target_kv_bytes_per_token: what one token of one row adds (all per-token and per-window figures
+  are for one row).
+- drafter_state_bytes: the drafter's context state. With full attention it grows by
+  drafter_bytes_per_token per token; windowed it is a fixed ring of drafter_window_bytes plus
+  summaries that grow by drafter_summary_bytes_per_segment per finished segment.
+- peak_bytes: the device's peak bytes in use when the backend reports it (GPU, TPU), otherwise the
+  compiled decode program's own buffers (arguments + outputs + temporaries, as XLA assigned them),
+  with peak_source saying which.
+
+Shapes only: nothing here allocates device memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from specjax.models.cache import KVCache
+from specjax.models.config import TransformerConfig
+
+logger = logging.getLogger("specjax.memory")
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def target_kv_bytes(config: TransformerConfig, batch: int, cache_length: int) -> int:
+    return tree_bytes(jax.eval_shape(lambda: KVCache.zeros(config, batch, cache_length)))
+
+
+def drafter_state_breakdown(drafter_config, batch: int, cache_length: int) -> dict:
+    """The drafter's context state for contexts of cache_length positions, and how it grows."""
+    from specjax.decode.context import context_state_bytes
+
+    layer = drafter_config.layer_config
+    per_token = layer.kv_bytes_per_token(jax.numpy.dtype(layer.dtype).itemsize)  # one row
+    out = {"drafter_state_bytes": context_state_bytes(drafter_config, batch, cache_length),
+           "drafter_attention": "full" if drafter_config.window is None else "windowed"}
+    if drafter_config.window is None:
+        out["drafter_bytes_per_token"] = per_token
+    else:
+        window = drafter_config.window
+        out["drafter_window_bytes"] = per_token * window.ring_slots(drafter_config.block_size)
+        out["drafter_summary_bytes_per_segment"] = per_token * window.summaries
+    return out
+
+
+def measured_peak_bytes(compiled=None) -> tuple[int | None, str]:
+    """(peak bytes, source): the device's peak_bytes_in_use if it reports one, else the compiled
+    program's buffers (arguments + outputs + temporaries - aliased), else (None, "unavailable")."""
+    stats = jax.devices()[0].memory_stats()
+    if stats and "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+    if compiled is not None:
+        return measured_peak_bytes_of(compiled)
+    return None, "unavailable"
+
+
+def decode_memory(target_config: TransformerConfig, drafter_config, batch: int, cache_length: int,
+                  compiled=None) -> dict:
+    """The memory part of a generate call's stats (see the module docstring); also logged at INFO."""
+    layer_bytes = jax.numpy.dtype(target_config.dtype).itemsize
+    out = {"cache_length": cache_length,
+           "target_kv_bytes": target_kv_bytes(target_config, batch, cache_length),
+           "target_kv_bytes_per_token": target_config.kv_bytes_per_token(layer_bytes)}
+    if drafter_config is not None:
+        out.update(drafter_state_breakdown(drafter_config, batch, cache_length))
+    out["peak_bytes"], out["peak_source"] = measured_peak_bytes(compiled)
+    logger.info("memory: %s", out)
+    return out
+
+
+def drafting_step_peak(target_params, target_config: TransformerConfig, drafter_params, drafter_config,
+                       context_length: int, batch: int = 1) -> tuple[int | None, str, int]:
+    """Peak memory of one drafting step at a context of context_length positions: the drafter pass
+    over its context state plus writing the next block's context, compiled for this backend.
+    Returns the compiled program's buffers as XLA assigned them for this backend (state,
+    temporaries and outputs, with the drafter params and the token embedding), on every backend:
+    a per-program figure, which a process-wide device peak counter cannot give. Returns (peak
+    bytes, source, bytes of the weights among them: the constant part)."""
+    import jax.numpy as jnp
+
+    from specjax.decode.context import append_context, empty_context_cache
+    from specjax.decode.speculative import draft_block_states
+
+    block = drafter_config.block_size
+    # Only the token embedding of the target is used (block inputs); the rest would only add a constant.
+    embedding = {"embed_tokens": target_params["embed_tokens"]}
+    context = jax.eval_shape(lambda: empty_context_cache(drafter_config, batch, context_length + block))
+    features = jax.ShapeDtypeStruct((batch, block, drafter_config.num_taps, drafter_config.hidden_size),
+                                    jnp.dtype(drafter_config.dtype))
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+
+    def step(embedding, drafter_params, context, lengths, features):
+        states = draft_block_states(embedding, target_config, drafter_params, drafter_config,
+                                    jnp.zeros((batch,), jnp.int32), lengths, context)
+        positions = lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
+        context = append_context(drafter_params, drafter_config, context, features, positions, lengths,
+                                 lengths + block)
+        return states, context
+
+    compiled = jax.jit(step, donate_argnums=(2,)).lower(embedding, drafter_params, context, lengths, features).compile()
+    peak, source = measured_peak_bytes_of(compiled)
+    return peak, source, tree_bytes(embedding) + tree_bytes(drafter_params)
+
+
+def measured_peak_bytes_of(compiled) -> tuple[int | None, str]:
+    """The compiled program's buffers (arguments + outputs + temporaries - aliased)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None, "unavailable"
+    total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+             - analysis.alias_size_in_bytes)
+    return int(total), "compiled program buffers"
+
+
+def memory_report(target_config: TransformerConfig, target_params, drafter_config, drafter_params, window,
+                  contexts, batch: int = 1, progress: bool = True) -> dict:
+    """For each context length: target KV bytes, drafter state bytes with full and windowed
+    attention, and the measured peak of one drafting step with each. `window` is the DrafterWindow
+    of the windowed variant and drafter_params must hold its compressor under "compressor"."""
+    import dataclasses
+
+    from tqdm.auto import tqdm
+
+    from specjax.decode.context import context_state_bytes
+
+    full = dataclasses.replace(drafter_config, window=None)
+    windowed = dataclasses.replace(drafter_config, window=window)
+    full_params = {k: v for k, v in drafter_params.items() if k != "compressor"}
+    report = {"contexts": list(contexts), "target_kv_bytes": [], "drafter_kv_bytes": {"full": [], "windowed": []},
+              "peak_bytes": {"full": [], "windowed": []}, "batch": batch,
+              "window": dataclasses.asdict(window), "peak_source": None,
+              "weights_bytes": {"full": None, "windowed": None}}
+    for n in tqdm(contexts, desc="contexts", disable=not progress):
+        report["target_kv_bytes"].append(target_kv_bytes(target_config, batch, n))
+        for name, config, params in (("full", full, full_params), ("windowed", windowed, drafter_params)):
+            report["drafter_kv_bytes"][name].append(context_state_bytes(config, batch, n))
+            peak, source, weights = drafting_step_peak(target_params, target_config, params, config, n, batch)
+            report["peak_bytes"][name].append(peak)
+            report["peak_source"], report["weights_bytes"][name] = source, weights
+    return report
+
+
+def plot_memory_report(report: dict, path) -> None:
+    """Bytes against context length: target KV, drafter state (full, windowed) and drafting-step peaks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = lambda values: [v / 2**20 if v is not None else float("nan") for v in values]  # noqa: E731
+    contexts = report["contexts"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(contexts, mib(report["target_kv_bytes"]), "k-o", label="target KV cache")
+    ax.plot(contexts, mib(report["drafter_kv_bytes"]["full"]), "C0-o", label="drafter state, full attention")
+    ax.plot(contexts, mib(report["drafter_kv_bytes"]["windowed"]), "C1-o", label="drafter state, windowed")
+    for name, colour in (("full", "C0"), ("windowed", "C1")):
+        above = [p - report["weights_bytes"][name] if p is not None else None for p in report["peak_bytes"][name]]
+        ax.plot(contexts, mib(above), f"{colour}--s", label=f"drafting step peak above weights, {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("MiB (batch %d)" % report["batch"])
+    w = report["window"]
+    ax.set_title(f"KV memory against context (window {w['window']}, segment {w['segment']}, "
+                 f"{w['summaries']} summaries)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
