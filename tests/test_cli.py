@@ -194,3 +194,64 @@ def test_mismatched_drafter_is_refused(tiny_with_tokenizer_and_drafter, tiny_fol
     assert main(["generate", "--model", str(root / "model"), "--prompt-ids", "1,2", "--method", "chain",
                  "--drafter", str(root / "nope")]) == 2
     assert "not a drafter folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_compressor(tiny_with_tokenizer_and_drafter):
+    """A compressor (random queries) for the tiny CLI drafter, saved as a folder."""
+    import dataclasses as dc
+
+    import jax
+
+    from specjax.io.compressor import save_compressor
+    from specjax.io.dflash import load_drafter
+    from specjax.models.drafter import DrafterWindow, init_compressor_params
+    from specjax.models.refiner import drafter_fingerprint
+
+    root = tiny_with_tokenizer_and_drafter
+    drafter = load_drafter(root / "drafter")
+    window = DrafterWindow(window=8, segment=4, summaries=2)
+    params = init_compressor_params(dc.replace(drafter.config, window=window), jax.random.key(3))
+    params["queries"] = jax.random.normal(jax.random.key(4), params["queries"].shape)
+    save_compressor(root / "compressor", window, drafter.config.hidden_size, params,
+                    drafter_fingerprint(drafter.params, drafter.draft_vocab))
+    return root / "compressor"
+
+
+def test_windowed_drafting_from_the_cli(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys):
+    root = tiny_with_tokenizer_and_drafter
+    base = ["generate", "--model", str(root / "model"), "--prompt", "the cat sat on the mat and the dog",
+            "--no-chat", "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    assert main(base) == 0
+    ar = _last_json(capsys)
+    assert ar["stats"]["memory"]["target_kv_bytes"] > 0 and "drafter_state_bytes" not in ar["stats"]["memory"]
+    for method in ("chain", "tree"):
+        assert main(base + ["--method", method, "--drafter", str(root / "drafter"), "--drafter-window", "8",
+                            "--compressor", str(tiny_compressor)]) == 0
+        windowed = _last_json(capsys)
+        assert windowed["tokens"] == ar["tokens"], method
+        memory = windowed["stats"]["memory"]
+        assert memory["drafter_attention"] == "windowed" and memory["drafter_window_bytes"] > 0
+        assert memory["peak_bytes"] > memory["target_kv_bytes"]
+    assert main(base + ["--method", "chain", "--drafter", str(root / "drafter"), "--drafter-window", "2",
+                        "--compressor", str(tiny_compressor)]) == 2
+    assert "at least the segment" in capsys.readouterr().err
+
+
+def test_memory_command(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys, tmp_path):
+    root = tiny_with_tokenizer_and_drafter
+    args = ["memory", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--compressor",
+            str(tiny_compressor), "--contexts", "64,128,512"]
+    assert main(args + ["--json"]) == 0
+    report = _last_json(capsys)
+    assert report["contexts"] == [64, 128, 512]
+    assert set(report) >= {"target_kv_bytes", "drafter_kv_bytes", "peak_bytes"}
+    full, windowed = report["drafter_kv_bytes"]["full"], report["drafter_kv_bytes"]["windowed"]
+    assert full[2] == 8 * full[0]  # full attention grows with the context
+    assert windowed[2] < full[2] and windowed[2] / windowed[0] < full[2] / full[0]
+    assert report["target_kv_bytes"][2] == 8 * report["target_kv_bytes"][0]
+    assert all(p > 0 for p in report["peak_bytes"]["full"] + report["peak_bytes"]["windowed"])
+    plot = tmp_path / "memory.png"
+    assert main(args + ["--plot", str(plot)]) == 0
+    assert "| 512 |" in capsys.readouterr().out and plot.stat().st_size > 0
+    assert main(args[:-1] + ["64,x"]) == 2
