@@ -178,3 +178,14 @@ def test_compressor_trains_saves_and_loads(target, drafter, tmp_path):
         windowed_drafter(drafter, dataclasses.replace(loaded, window=DrafterWindow(6, 2, 2)))
     with pytest.raises(SpecjaxError, match="not a compressor folder"):
         load_compressor(tmp_path / "missing")
+
+
+def test_committed_compressor_pairs_with_the_committed_drafter():
+    from specjax.io.registry import resolve_compressor, resolve_drafter
+
+    drafter = resolve_drafter("default", "smollm2")
+    compressor = resolve_compressor("default", "smollm2")
+    assert compressor.window == DrafterWindow(window=256, segment=128, summaries=2)
+    windowed = windowed_drafter(drafter, compressor, window=512)
+    assert windowed.config.window.window == 512 and "compressor" in windowed.params
+    assert windowed_drafter(drafter, compressor).config.window == compressor.window

@@ -9,13 +9,10 @@ trained for. Tensors are named by their flax parameter paths joined with ".".
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-import numpy as np
-from flax import traverse_util
-
 from specjax.errors import SpecjaxError
+from specjax.io.addons import params_from_tensors, read_addon_tensors, save_addon
 from specjax.models.drafter import DrafterWindow
 
 ARCHITECTURE = "SpecjaxSegmentCompressor"
@@ -34,27 +31,14 @@ class LoadedCompressor:
 def save_compressor(folder: str | Path, window: DrafterWindow, hidden_size: int, params, fingerprint: str | None,
                     dtype: str = "float32", extra: dict | None = None) -> None:
     """Write a compressor (bf16 keeps committed checkpoints small). `extra` goes under "training"."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, leaf in traverse_util.flatten_dict(params, sep=".").items():
-        array = np.asarray(leaf, np.float32)
-        tensors[name] = array.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else array
-    save_file(tensors, str(folder / "model.safetensors"))
     cfg = {"architectures": [ARCHITECTURE], **dataclasses.asdict(window), "hidden_size": hidden_size,
-           "drafter_fingerprint": fingerprint, "dtype": dtype}
+           "drafter_fingerprint": fingerprint}
     if extra:
         cfg["training"] = extra
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_addon(folder, params, cfg, dtype)
 
 
 def load_compressor(folder: str | Path) -> LoadedCompressor:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     from specjax.io.dflash import read_config_folder
 
     folder, cfg = read_config_folder(folder, "compressor")
@@ -65,12 +49,7 @@ def load_compressor(folder: str | Path) -> LoadedCompressor:
         hidden = int(cfg["hidden_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise SpecjaxError(f"{folder / 'config.json'}: bad compressor config ({e})") from None
-    weights = folder / "model.safetensors"
-    try:
-        tensors = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise SpecjaxError(f"{weights}: cannot read compressor weights, the file may be missing, truncated or "
-                           f"corrupt ({e})") from None
+    tensors = read_addon_tensors(folder, "compressor")
     expected = {"queries": (window.summaries, hidden), "key_proj.kernel": (hidden, hidden),
                 "out_proj.kernel": (hidden, hidden)}
     for name, shape in expected.items():
@@ -81,7 +60,7 @@ def load_compressor(folder: str | Path) -> LoadedCompressor:
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise SpecjaxError(f"{folder}: unexpected compressor tensor {unexpected[0]!r}")
-    params = traverse_util.unflatten_dict({k: np.asarray(v, np.float32) for k, v in tensors.items()}, sep=".")
+    params = params_from_tensors(tensors)
     return LoadedCompressor(str(folder), window, hidden, params, cfg.get("drafter_fingerprint"))
 
 

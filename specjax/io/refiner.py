@@ -8,17 +8,15 @@ their flax parameter paths joined with ".". Loading checks every name and shape.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-import numpy as np
 from flax import traverse_util
 
 from specjax.errors import SpecjaxError
+from specjax.io.addons import params_from_tensors, read_addon_tensors, save_addon
 from specjax.models.refiner import RefinerConfig, drafter_fingerprint, init_refiner_params
 
 ARCHITECTURE = "SpecjaxCausalRefiner"
-
 
 @dataclasses.dataclass
 class LoadedRefiner:
@@ -28,32 +26,17 @@ class LoadedRefiner:
     drafter_fingerprint: str | None
     """Fingerprint of the drafter it was trained on (models.refiner.drafter_fingerprint), if recorded."""
 
-
 def save_refiner(folder: str | Path, config: RefinerConfig, params, fingerprint: str | None,
                  dtype: str = "float32", extra: dict | None = None) -> None:
     """Write a refiner (bf16 keeps committed checkpoints small). `extra` is stored under
     "training" in config.json (how it was trained)."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, leaf in traverse_util.flatten_dict(params, sep=".").items():
-        array = np.asarray(leaf, np.float32)
-        tensors[name] = array.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else array
-    save_file(tensors, str(folder / "model.safetensors"))
-    cfg = {"architectures": [ARCHITECTURE], **dataclasses.asdict(config), "drafter_fingerprint": fingerprint,
-           "dtype": dtype}
+    cfg = {"architectures": [ARCHITECTURE], **dataclasses.asdict(config), "drafter_fingerprint": fingerprint}
     if extra:
         cfg["training"] = extra
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-
+    save_addon(folder, params, cfg, dtype)
 
 def load_refiner(folder: str | Path) -> LoadedRefiner:
     import jax
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
 
     from specjax.io.dflash import read_config_folder
 
@@ -67,12 +50,7 @@ def load_refiner(folder: str | Path) -> LoadedRefiner:
         config = RefinerConfig(**{k: v for k, v in cfg.items() if k in fields})
     except TypeError as e:
         raise SpecjaxError(f"{cfg_path}: bad refiner config ({e})") from None
-    weights = folder / "model.safetensors"
-    try:
-        tensors = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise SpecjaxError(f"{weights}: cannot read refiner weights, the file may be missing, truncated or "
-                           f"corrupt ({e})") from None
+    tensors = read_addon_tensors(folder, "refiner")
     expected = {".".join(p): tuple(l.shape) for p, l in traverse_util.flatten_dict(
         jax.eval_shape(lambda: init_refiner_params(config, jax.random.key(0)))).items()}
     unexpected = sorted(set(tensors) - set(expected))
@@ -84,9 +62,8 @@ def load_refiner(folder: str | Path) -> LoadedRefiner:
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise SpecjaxError(f"{folder}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {shape}")
-    params = traverse_util.unflatten_dict({k: np.asarray(v, np.float32) for k, v in tensors.items()}, sep=".")
+    params = params_from_tensors(tensors)
     return LoadedRefiner(str(folder), config, params, cfg.get("drafter_fingerprint"))
-
 
 def check_refiner(refiner: LoadedRefiner, drafter) -> None:
     """Refuse a refiner that was not trained for this drafter (a LoadedDrafter), naming the mismatch."""

@@ -20,7 +20,7 @@ import numpy as np
 from specjax.errors import SpecjaxError
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig, DrafterWindow, init_compressor_params
-from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, check_taps, drafter_loss, estimate_tau_array,
+from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, check_taps, drafter_loss, heldout_tau,
                                    label_index_for, sample_drafter_batch)
 
 
@@ -59,11 +59,9 @@ def train_compressor(target_params, target_config: TransformerConfig, drafter_co
     batch_fn = lambda step: jax.tree.map(jnp.asarray, sample_drafter_batch(data, step, loop.seed, train_config, block))
     eval_fn = None
     if heldout is not None:
-        eval_batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config, block))
-                        for i in range(4)]
-        tau = jax.jit(lambda p, b: estimate_tau_array({**frozen, "compressor": p}, windowed_config, target_params,
-                                                      target_config, b, draft_vocab, label_index))
-        eval_fn = lambda p: {"tau_estimate": float(np.mean([tau(p, b) for b in eval_batches]))}
+        tau = heldout_tau(heldout, train_config, windowed_config, target_params, target_config, draft_vocab,
+                          params_of=lambda p: {**frozen, "compressor": p})
+        eval_fn = lambda p: {"tau_estimate": tau(p)}
     trained, _ = train(loss_fn, compressor, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
     return trained
 
@@ -156,13 +154,8 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
                     dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe)})
 
     def tau(config, drafter_params):
-        draft_vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab, jnp.int32)
-        label_index = label_index_for(draft_vocab, model.config.vocab_size)
-        fn = jax.jit(lambda p, b: estimate_tau_array(p, config, model.params, model.config, b, draft_vocab,
-                                                     label_index))
-        batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config,
-                                                                  config.block_size)) for i in range(4)]
-        return float(np.mean([fn(drafter_params, b) for b in batches]))
+        return heldout_tau(heldout, train_config, config, model.params, model.config, drafter.draft_vocab)(
+            drafter_params)
 
     windowed_config = dataclasses.replace(drafter.config, window=window)
     untrained = init_compressor_params(windowed_config, jax.random.key(0))

@@ -322,6 +322,21 @@ def estimate_tau_array(drafter_params, drafter_config: DrafterConfig, target_par
     return jnp.sum((accepted + 1) * usable) / jnp.maximum(jnp.sum(usable), 1)
 
 
+def heldout_tau(heldout: DistillationSet, train_config: DrafterTrainConfig, drafter_config: DrafterConfig,
+                target_params, target_config: TransformerConfig, draft_vocab=None, params_of=lambda p: p,
+                num_batches: int = 4):
+    """A function params -> the teacher-forced acceptance-length estimate on num_batches fixed
+    held-out batches. params_of maps what is being trained to the drafter's full params (e.g. a
+    compressor into a frozen drafter)."""
+    draft_vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+    label_index = label_index_for(draft_vocab, target_config.vocab_size)
+    batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config,
+                                                              drafter_config.block_size)) for i in range(num_batches)]
+    tau = jax.jit(lambda p, b: estimate_tau_array(params_of(p), drafter_config, target_params, target_config, b,
+                                                  draft_vocab, label_index))
+    return lambda params: float(np.mean([tau(params, b) for b in batches]))
+
+
 def check_taps(data: DistillationSet | Sequence[DistillationSet], drafter_config: DrafterConfig) -> None:
     """Refuse distillation sets whose stored features come from other target layers."""
     for d in [data] if isinstance(data, DistillationSet) else data:
@@ -360,11 +375,8 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     batch_fn = lambda step: jax.tree.map(jnp.asarray, sample_drafter_batch(data, step, loop.seed, train_config, block))
     eval_fn = None
     if heldout is not None:
-        eval_batches = [jax.tree.map(jnp.asarray, sample_drafter_batch(heldout, i, 12345, train_config, block))
-                        for i in range(4)]
-        tau = jax.jit(lambda p, b: estimate_tau_array(p, drafter_config, target_params, target_config, b,
-                                                      draft_vocab, label_index))
-        eval_fn = lambda p: {"tau_estimate": float(np.mean([tau(p, b) for b in eval_batches]))}
+        tau = heldout_tau(heldout, train_config, drafter_config, target_params, target_config, draft_vocab)
+        eval_fn = lambda p: {"tau_estimate": tau(p)}
     trained, _ = train(loss_fn, params, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
     return trained
 

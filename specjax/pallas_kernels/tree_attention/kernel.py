@@ -31,19 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from specjax.pallas_kernels.tiling import check_block_sizes, check_head_dim, clamped_block, round_up
+
 from specjax.pallas_kernels.tree_attention.reference import MASK_VALUE, check_tree_attention_shapes
-
-# Triton's tl.dot needs every matrix side to be at least 16.
-_MIN_TILE = 16
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -61,17 +51,7 @@ class BlockSizes:
     """Software-pipelining depth of the prefix loop (Triton launch parameter)."""
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value) or value < _MIN_TILE:
-                raise ValueError(f"BlockSizes.{name}={value}: must be a power of two >= {_MIN_TILE} (Triton tiles)")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"BlockSizes num_warps={self.num_warps}, num_stages={self.num_stages}: must be >= 1")
-
-
-def _clamped_block(requested: int, extent: int) -> int:
-    """The block actually used along an axis of length `extent`: no bigger than the padded axis needs."""
-    return min(requested, max(_MIN_TILE, pl.next_power_of_2(max(extent, 1))))
+        check_block_sizes(self)
 
 
 def _tree_attention_kernel(
@@ -171,17 +151,15 @@ def tree_attention(
     dims = check_tree_attention_shapes(q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if not interpret and (not _is_power_of_two(dims.head_dim) or dims.head_dim < _MIN_TILE):
-        raise ValueError(
-            f"q has head dim D={dims.head_dim}; the Triton kernel needs a power of two >= {_MIN_TILE}"
-        )
+    if not interpret:
+        check_head_dim(dims.head_dim)
     batch, num_new, cache_length = dims.batch, dims.num_new, dims.cache_length
     group_size = dims.group_size
 
-    block_q = _clamped_block(block_sizes.block_q, num_new)
-    block_k = _clamped_block(block_sizes.block_k, cache_length)
-    padded_new = _round_up(num_new, block_q)
-    padded_cache = max(_round_up(cache_length, block_k), block_k)  # S = 0 still gets one (skipped) block
+    block_q = clamped_block(block_sizes.block_q, num_new)
+    block_k = clamped_block(block_sizes.block_k, cache_length)
+    padded_new = round_up(num_new, block_q)
+    padded_cache = max(round_up(cache_length, block_k), block_k)  # S = 0 still gets one (skipped) block
 
     def pad_axis1(x, target):  # zero-pad axis 1 of a [B, N, ...] array up to `target`
         if x.shape[1] == target:

@@ -35,20 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from specjax.pallas_kernels.tiling import check_block_sizes, check_head_dim, clamped_block, round_up
+
 from specjax.pallas_kernels.tree_attention.reference import MASK_VALUE
 from specjax.pallas_kernels.window_attention.reference import check_window_attention_shapes
-
-# Triton's tl.dot needs every matrix side to be at least 16.
-_MIN_TILE = 16
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -66,16 +56,7 @@ class BlockSizes:
     """Software-pipelining depth of the key loop (Triton launch parameter)."""
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value) or value < _MIN_TILE:
-                raise ValueError(f"BlockSizes.{name}={value}: must be a power of two >= {_MIN_TILE} (Triton tiles)")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"BlockSizes num_warps={self.num_warps}, num_stages={self.num_stages}: must be >= 1")
-
-
-def _clamped_block(requested: int, extent: int) -> int:
-    return min(requested, max(_MIN_TILE, pl.next_power_of_2(max(extent, 1))))
+        check_block_sizes(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +84,9 @@ class _Tiling:
 
 
 def _tiling(num_queries: int, num_keys: int, block_sizes: BlockSizes) -> _Tiling:
-    block_q = _clamped_block(block_sizes.block_q, num_queries)
-    block_k = _clamped_block(block_sizes.block_k, num_keys)
-    return _Tiling(block_q, block_k, _round_up(num_queries, block_q), _round_up(num_keys, block_k),
+    block_q = clamped_block(block_sizes.block_q, num_queries)
+    block_k = clamped_block(block_sizes.block_k, num_keys)
+    return _Tiling(block_q, block_k, round_up(num_queries, block_q), round_up(num_keys, block_k),
                    block_sizes.num_warps, block_sizes.num_stages)
 
 
@@ -373,6 +354,6 @@ def window_attention(q, k, v, starts, ends, *, block_sizes: BlockSizes = BlockSi
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     head_dim = q.shape[-1]
-    if not interpret and (not _is_power_of_two(head_dim) or head_dim < _MIN_TILE):
-        raise ValueError(f"q has head dim D={head_dim}; the Triton kernel needs a power of two >= {_MIN_TILE}")
+    if not interpret:
+        check_head_dim(head_dim)
     return _window_attention(q, k, v, starts, ends, block_sizes, interpret)
