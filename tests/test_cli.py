@@ -218,6 +218,7 @@ def tiny_compressor(tiny_with_tokenizer_and_drafter):
     return root / "compressor"
 
 
+@pytest.mark.slow
 def test_windowed_drafting_from_the_cli(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys):
     root = tiny_with_tokenizer_and_drafter
     base = ["generate", "--model", str(root / "model"), "--prompt", "the cat sat on the mat and the dog",

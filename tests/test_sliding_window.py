@@ -61,6 +61,7 @@ def test_logits_match_transformers(sliding_hf, attention):
     np.testing.assert_allclose(np.asarray(out.logits[0]), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
 def test_incremental_decode_matches_full_forward(sliding_hf, attention):
     """Prefill 9 tokens, then 4 + 3: every later token's window reaches back into the cache."""
@@ -114,6 +115,7 @@ def test_config_variants():
         config_from_hf(dict(base, architectures=["Gemma2ForCausalLM"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, method):
     """The shared tiny target made to slide (window 6 in layer 1): chain and tree decoding give its

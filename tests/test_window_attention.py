@@ -117,6 +117,7 @@ def test_anchor_ranges_of_drafter_training():
     np.testing.assert_allclose(lse, dense_lse, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", ["window smaller than the sequence", "ragged lengths", "plain causal"])
 def test_gradients_match_reference(name, dtype):

@@ -108,6 +108,7 @@ def test_greedy_windowed_decoding_equals_autoregressive(target, drafter, method)
     assert result.stats["tau"] > 1.0  # the drafter still drafts something useful
 
 
+@pytest.mark.slow
 def test_sampled_windowed_chain_matches_the_exact_target_distribution(target, drafter):
     windowed = with_random_compressor(drafter, DrafterWindow(window=4, segment=4, summaries=2))
     prompt = [1, 5, 2]
@@ -120,6 +121,7 @@ def test_sampled_windowed_chain_matches_the_exact_target_distribution(target, dr
         assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
 
 
+@pytest.mark.slow
 def test_pallas_training_path_matches_xla(target, drafter):
     """The windowed drafter's loss and compressor gradients through the windowed-attention kernels
     (interpreted) equal the dense XLA path's."""
@@ -145,6 +147,7 @@ def test_pallas_training_path_matches_xla(target, drafter):
         np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_compressor_trains_saves_and_loads(target, drafter, tmp_path):
     from conftest import tiny_distillation_set
     from specjax.train.compressor import train_compressor
