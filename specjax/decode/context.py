@@ -40,11 +40,6 @@ class WindowedContext:
     summaries: KVCache
     """Per layer [B, M, K, D]: summary c of segment n at slot n*C + c."""
 
-    def num_bytes(self) -> int:
-        arrays = self.ring.keys + self.ring.values + self.summaries.keys + self.summaries.values
-        arrays += (self.ring_positions, self.pending)
-        return sum(a.size * a.dtype.itemsize for a in arrays)
-
 
 DrafterContext = KVCache | WindowedContext
 
@@ -66,8 +61,9 @@ def empty_context_cache(config: DrafterConfig, batch: int, cache_length: int) ->
 
 def context_state_bytes(config: DrafterConfig, batch: int, cache_length: int) -> int:
     """Bytes of the drafter's context state for contexts of cache_length positions (no allocation)."""
-    shapes = jax.eval_shape(lambda: empty_context_cache(config, batch, cache_length))
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    from specjax.monitor.memory import tree_bytes
+
+    return tree_bytes(jax.eval_shape(lambda: empty_context_cache(config, batch, cache_length)))
 
 
 def _apply(drafter_params, drafter_config: DrafterConfig, method, *args):

@@ -207,7 +207,6 @@ def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_p
     drafter = Drafter(drafter_config)
     x = drafter.apply({"params": drafter_params}, embed_tokens(target_params, target_config, block_tokens), is_mask,
                       method=Drafter.block_inputs)  # [b, A*Bk, d]
-    ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
     query_anchor = jnp.repeat(anchors, block, axis=1)  # [b, A*Bk]
     block_id = jnp.repeat(jnp.arange(num_anchors), block)
     if drafter_config.window is not None:
@@ -215,6 +214,7 @@ def drafter_block_states(drafter_params, drafter_config: DrafterConfig, target_p
         key_sets = windowed_training_key_sets(drafter_params, drafter_config, features, query_anchor)
         h = drafter.apply({"params": drafter_params}, x, positions, key_sets, own, attention, method=Drafter.windowed)
         return h.reshape(b, num_anchors, block, -1)[:, :, 1:]  # [b, A, K, d]
+    ctx_positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
     kv = context_keys_values(drafter_params, drafter_config, features, ctx_positions)
     # Block-sparse mask as [queries, context + blocks]: context strictly before the anchor, plus own block.
     sees_context = jnp.arange(seq_len)[None, None, :] < query_anchor[:, :, None]  # [b, A*Bk, T]
