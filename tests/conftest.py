@@ -22,8 +22,9 @@ def build_tiny_hf(arch: str, seed: int = 0, **overrides):
     """A tiny random transformers model. Weights are scaled up from HF's 0.02 init so logits differ
     clearly between tokens: with near-zero logits a wrong layout could still pass a tolerance check."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
+                              GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     shape = {**TINY_SHAPE, **overrides}
@@ -38,6 +39,19 @@ def build_tiny_hf(arch: str, seed: int = 0, **overrides):
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=4,
                                              layer_types=["full_attention", "sliding_attention"] * (layers // 2),
                                              **shape))
+    elif arch == "gemma":
+        model = GemmaForCausalLM(GemmaConfig(head_dim=16, **shape))
+    elif arch == "gemma2":  # sliding/full alternate; both soft caps small enough to bite
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                               attn_logit_softcapping=3.0, final_logit_softcapping=4.0, **shape))
+    elif arch == "gemma3":  # a sliding layer (local RoPE base) then a full one (global base, linear scaling)
+        layers = shape["num_hidden_layers"]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}},
+            **shape))
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -84,31 +98,35 @@ def tiny_distillation_set(target, folder, seed, n=48):
     from specjax.decode.sampling import SamplingConfig
     from specjax.models.drafter import DrafterConfig
     from specjax.train.drafter import build_distillation_set
-    from test_decode import TINY
 
+    config = target.config
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, TINY.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n)]
+    prompts = [rng.integers(0, config.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n)]
     out = Engine(target).generate(prompts, 40, SamplingConfig(temperature=1.0), seed=seed, ignore_eos=True).tokens
-    taps = DrafterConfig.for_target(TINY, num_taps=2).target_layer_ids
-    return build_distillation_set(target.params, TINY, [(p + o, len(p)) for p, o in zip(prompts, out)], folder,
+    taps = DrafterConfig.for_target(config, num_taps=2).target_layer_ids
+    return build_distillation_set(target.params, config, [(p + o, len(p)) for p, o in zip(prompts, out)], folder,
                                   taps, seq_len=48, teacher_labels=True, progress=False)
 
 
-@pytest.fixture(scope="session")
-def drafter(target, tmp_path_factory):
-    """A drafter for the tiny target, trained for a few seconds so that drafts are accepted often
+def train_tiny_drafter(target, root, steps=150):
+    """A drafter for a tiny target, trained for a few seconds so that drafts are accepted often
     enough to exercise every branch of the acceptance rules."""
     from specjax.io.dflash import LoadedDrafter
     from specjax.models.drafter import DrafterConfig
     from specjax.train.drafter import DrafterTrainConfig, train_drafter
     from specjax.train.loop import LoopConfig, OptimizerConfig
-    from test_decode import TINY
 
-    root = tmp_path_factory.mktemp("drafter")
+    config = target.config
     train_set, heldout = tiny_distillation_set(target, root / "train", 0), tiny_distillation_set(target, root / "heldout", 1, 8)
-    config = DrafterConfig.for_target(TINY, num_layers=1, block_size=SPEC_BLOCK, num_taps=2)
-    params = train_drafter(target.params, TINY, config, train_set, root / "run",
-                           OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=150),
-                           LoopConfig(steps=150, eval_every=150, checkpoint_every=150, progress=False),
+    drafter_config = DrafterConfig.for_target(config, num_layers=1, block_size=SPEC_BLOCK, num_taps=2)
+    params = train_drafter(target.params, config, drafter_config, train_set, root / "run",
+                           OptimizerConfig(learning_rate=3e-3, warmup_steps=10, total_steps=steps),
+                           LoopConfig(steps=steps, eval_every=steps, checkpoint_every=steps, progress=False),
                            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=16), heldout=heldout)
-    return LoadedDrafter("tiny-drafter", config, params, TINY.num_layers)
+    return LoadedDrafter("tiny-drafter", drafter_config, params, config.num_layers)
+
+
+@pytest.fixture(scope="session")
+def drafter(target, tmp_path_factory):
+    """A drafter for the tiny target (see train_tiny_drafter)."""
+    return train_tiny_drafter(target, tmp_path_factory.mktemp("drafter"))

@@ -112,7 +112,7 @@ def test_config_variants():
     with pytest.raises(SpecjaxError, match="names 2 layers"):
         config_from_hf({**base, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2})
     with pytest.raises(SpecjaxError, match="not supported"):
-        config_from_hf(dict(base, architectures=["Gemma2ForCausalLM"]))
+        config_from_hf(dict(base, architectures=["Phi3ForCausalLM"]))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 
 from specjax.pallas_kernels.tree_attention import (
     MASK_VALUE,
+    AttentionScores,
     BlockSizes,
     tree_attention,
     tree_attention_op,
@@ -139,6 +140,18 @@ def test_kernel_matches_reference(name):
     assert_close(actual, expected, args["q"].dtype)
 
 
+def test_soft_capped_rescaled_logits():
+    """Gemma 2's logits (scale 1/sqrt(query_pre_attn_scalar), soft cap): kernel against reference, and
+    the cap changes the result."""
+    args = make_inputs(np.random.default_rng(11))
+    args["q"] = 4.0 * args["q"]  # large logits, so the cap bites
+    scores = AttentionScores(scale=24**-0.5, softcap=2.0)
+    expected = tree_attention_reference(**args, scores=scores)
+    assert_close(tree_attention(**args, scores=scores, interpret=True), expected, args["q"].dtype)
+    uncapped = tree_attention_reference(**args, scores=AttentionScores(scale=24**-0.5))
+    assert np.abs(np.asarray(uncapped) - np.asarray(expected)).max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_garbage_past_the_prefix_is_ignored(dtype):
     """Slots at and after prefix_lengths[b] may hold anything; huge values there must not leak in, not even
@@ -252,6 +265,8 @@ def test_kernel_lowers_to_triton_for_cuda(num_new, cache_length, head_dim, dtype
             spec(batch, cache_length, num_kv_heads, head_dim), spec(batch, dt=jnp.int32),
             spec(batch, num_new, num_kv_heads, head_dim), spec(batch, num_new, num_kv_heads, head_dim),
             spec(batch, num_new, num_new, dt=jnp.bool_))
-    compiled_kernel = jax.jit(lambda *a: tree_attention(*a, interpret=False))
+    # The small case also lowers Gemma 2's soft cap (tanh inside the key loop).
+    scores = AttentionScores(scale=0.1, softcap=50.0) if head_dim == 16 else AttentionScores()
+    compiled_kernel = jax.jit(lambda *a: tree_attention(*a, scores=scores, interpret=False))
     lowered = compiled_kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()

@@ -11,6 +11,7 @@ import pytest
 
 from specjax.pallas_kernels.tree_attention import MASK_VALUE
 from specjax.pallas_kernels.window_attention import (
+    AttentionScores,
     BlockSizes,
     merge_attention,
     sliding_window_ranges,
@@ -31,12 +32,15 @@ def make_qkv(rng, *, batch=2, num_queries=40, num_keys=70, num_heads=4, num_kv_h
             normal(batch, num_keys, num_kv_heads, head_dim))
 
 
-def dense_attention(q, k, v, visible):
-    """Textbook softmax attention in float64 numpy over an explicit [B, T, S] mask (GQA by repetition)."""
+def dense_attention(q, k, v, visible, scale=None, softcap=None):
+    """Textbook softmax attention in float64 numpy over an explicit [B, T, S] mask (GQA by repetition),
+    logits scaled by `scale` (default 1/sqrt(D)) and optionally soft-capped."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     group = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    scores = np.einsum("bthd,bshd->bhts", q, k) * (scale or 1 / np.sqrt(q.shape[-1]))
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     scores = np.where(visible[:, None], scores, -np.inf)
     row_max = np.max(scores, axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -158,6 +162,33 @@ def test_gradients_against_finite_differences():
         jax.test_util.check_grads(f, args, order=1, modes=("rev",), atol=1e-4, rtol=1e-4)
 
 
+def test_soft_capped_rescaled_logits():
+    """Gemma 2's logits (q.k scaled by 1/sqrt(query_pre_attn_scalar), then soft-capped): the kernels'
+    forward and lse against float64, their gradients (through the cap's derivative) against the
+    reference's autodiff."""
+    rng = np.random.default_rng(7)
+    q, k, v = make_qkv(rng)
+    q = 3.0 * q  # large logits, so the cap bites
+    starts, ends = sliding_window_ranges(jnp.broadcast_to(jnp.arange(40), (2, 40)), 12)
+    scores = AttentionScores(scale=24**-0.5, softcap=2.5)
+    out, lse = window_attention(q, k, v, starts, ends, block_sizes=SMALL_BLOCKS, scores=scores)
+    want_out, want_lse = dense_attention(q, k, v, ranges_to_mask(starts, ends, 70), 24**-0.5, 2.5)
+    np.testing.assert_allclose(out, want_out, **TOLERANCE[jnp.float32])
+    np.testing.assert_allclose(lse, want_lse, **TOLERANCE[jnp.float32])
+    uncapped, _ = dense_attention(q, k, v, ranges_to_mask(starts, ends, 70), 24**-0.5)
+    assert np.abs(uncapped - want_out).max() > 0.1  # the cap changed the result
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v)[0] ** 2) + jnp.sum(jnp.sin(fn(q, k, v)[1]))
+
+    kernel = lambda q, k, v: window_attention(q, k, v, starts, ends, block_sizes=SMALL_BLOCKS, scores=scores)
+    reference = lambda q, k, v: window_attention_reference(q, k, v, starts, ends, scores)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_merge_attention_equals_attention_over_the_union():
     """A window, a block's own keys and summary tokens attended separately and merged equal one
     softmax over all of them: how the windowed drafter combines its three key sets."""
@@ -228,8 +259,9 @@ def test_bad_window_and_block_sizes():
         BlockSizes(block_q=24)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_to_triton_for_cuda(dtype):
+@pytest.mark.parametrize("dtype, scores", [(jnp.float32, AttentionScores()),
+                                           (jnp.bfloat16, AttentionScores(scale=0.0625, softcap=50.0))])
+def test_kernels_lower_to_triton_for_cuda(dtype, scores):
     """Lower (not compile) forward and backward for CUDA on this CPU machine: this runs the
     Pallas-to-Triton lowering, which rejects non-power-of-two tiles and primitives Triton lacks."""
     batch, num_queries, num_keys, num_heads, num_kv_heads, head_dim = 2, 300, 300, 9, 3, 64  # SmolLM2's heads
@@ -239,7 +271,7 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
             spec(batch, num_queries, dt=jnp.int32))
 
     def loss(q, k, v, starts, ends):
-        out, lse = window_attention(q, k, v, starts, ends, interpret=False)
+        out, lse = window_attention(q, k, v, starts, ends, scores=scores, interpret=False)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",))

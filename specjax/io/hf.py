@@ -1,4 +1,5 @@
-"""HF checkpoints: `config.json` + `*.safetensors` (single file or sharded index) for Llama and Qwen3.
+"""HF checkpoints: `config.json` + `*.safetensors` (single file or sharded index) for Llama, Mistral,
+Qwen3 and the Gemma 1/2/3 text models.
 
 The same name mapping serves GGUF (which is translated to HF names first) and saving.
 """
@@ -15,7 +16,7 @@ import numpy as np
 from flax import traverse_util
 
 from specjax.errors import SpecjaxError
-from specjax.models.config import SUPPORTED_ARCHITECTURES, RopeScaling, TransformerConfig
+from specjax.models.config import GEMMA_ARCHITECTURES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, RopeScaling, TransformerConfig
 from specjax.models.transformer import init_params
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -39,6 +40,8 @@ _LAYER_LEAVES = {
     "mlp.down_proj.bias": (("mlp", "down_proj", "bias"), False),
     "input_layernorm.weight": (("input_layernorm", "scale"), False),
     "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False),
+    "pre_feedforward_layernorm.weight": (("pre_feedforward_layernorm", "scale"), False),
+    "post_feedforward_layernorm.weight": (("post_feedforward_layernorm", "scale"), False),
 }
 _TOP_LEAVES = {
     "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
@@ -70,13 +73,21 @@ def _sliding_layers(hf: Mapping[str, Any], arch: str, num_layers: int, source: s
     if arch == "MistralForCausalLM":
         window = hf.get("sliding_window", 4096)
         return (None if window is None else int(window)), ()
-    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
-    if window is None:
+    if arch == "GemmaForCausalLM":
         return None, ()
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
+    if arch in GEMMA_ARCHITECTURES:  # Gemma 2 alternates sliding/full; Gemma 3 has 5 sliding per full layer
+        window = hf.get("sliding_window", 4096)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern") or 6)
+        default_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    else:
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
         first = int(hf.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        default_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    layer_types = hf.get("layer_types") or default_types
+    if window is None:
+        if "sliding_attention" in layer_types and arch in GEMMA_ARCHITECTURES:
+            raise SpecjaxError(f"{source}: layer_types has sliding_attention layers but sliding_window is null")
+        return None, ()
     layer_types = tuple(str(t) for t in layer_types)
     unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unknown:
@@ -88,61 +99,108 @@ def _sliding_layers(hf: Mapping[str, Any], arch: str, num_layers: int, source: s
     return int(window), layer_types
 
 
+def _rope_scaling(scaling: Mapping[str, Any] | None, source: str) -> RopeScaling | None:
+    """RopeScaling from an HF rope_scaling / rope_parameters dict (None for the default RoPE)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("linear", "llama3"):
+        raise SpecjaxError(f"{source}: rope scaling {kind!r} is not supported (linear, llama3)")
+    return RopeScaling(
+        kind=kind,
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and (Gemma 3) local_rope_theta, from either config layout:
+    transformers 5 folds them into rope_parameters (per layer type for Gemma 3); older files have
+    rope_theta, rope_scaling and rope_local_base_freq."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if arch == "Gemma3ForCausalLM":
+        full = dict(rope.get("full_attention") or {})
+        local = dict(rope.get("sliding_attention") or {})
+        full_scaling = full or hf.get("rope_scaling")
+        local_scaling = _rope_scaling(local, source)
+        if local_scaling is not None:
+            raise SpecjaxError(f"{source}: rope scaling on the sliding layers is not supported")
+        return dict(rope_theta=float(full.get("rope_theta", hf.get("rope_theta") or 1_000_000.0)),
+                    rope_scaling=_rope_scaling(full_scaling, source),
+                    local_rope_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq") or 10_000.0)))
+    return dict(rope_theta=float(rope.get("rope_theta", hf.get("rope_theta") or 10000.0)),
+                rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope, source))
+
+
+def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The TransformerConfig fields in which Gemma 1/2/3 differ from Llama (defaults as transformers'
+    config classes have them)."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return dict(hidden_act=hf.get("hidden_act") or "silu", qk_norm=arch == "Qwen3ForCausalLM")
+    if hf.get("use_bidirectional_attention"):
+        raise SpecjaxError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if arch == "GemmaForCausalLM" and act == "gelu":  # transformers reads Gemma 1's legacy "gelu" as tanh-GELU
+        act = "gelu_pytorch_tanh"
+    fields = dict(hidden_act=act, norm_unit_offset=True, scale_embeddings=True,
+                  qk_norm=arch == "Gemma3ForCausalLM")
+    if arch != "GemmaForCausalLM":
+        caps = (30.0, 50.0) if arch == "Gemma2ForCausalLM" else (None, None)
+        final_cap = hf["final_logit_softcapping"] if "final_logit_softcapping" in hf else caps[0]
+        attn_cap = hf["attn_logit_softcapping"] if "attn_logit_softcapping" in hf else caps[1]
+        fields.update(sandwich_norms=True, query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+                      final_logit_softcapping=None if final_cap is None else float(final_cap),
+                      attn_logit_softcapping=None if attn_cap is None else float(attn_cap))
+    return fields
+
+
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> TransformerConfig:
     """TransformerConfig from an HF config dict; unknown architectures are refused by name."""
     if not isinstance(hf, Mapping):
         raise SpecjaxError(f"{source}: expected a JSON object")
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                   "mistral": "MistralForCausalLM"}.get(hf.get("model_type"))
+    by_model_type = {model_type: name for name, model_type in MODEL_TYPES.items()}
+    arch = archs[0] if archs else by_model_type.get(hf.get("model_type"))
     if arch not in SUPPORTED_ARCHITECTURES:
+        hint = ""
+        if arch == "Gemma3ForConditionalGeneration":
+            hint = " (the multimodal Gemma 3; its text-only sizes load as Gemma3ForCausalLM)"
         raise SpecjaxError(
-            f"{source}: architecture {arch or hf.get('model_type')!r} is not supported; "
+            f"{source}: architecture {arch or hf.get('model_type')!r} is not supported{hint}; "
             f"specjax loads {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise SpecjaxError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    gemma = arch in GEMMA_ARCHITECTURES
     try:
+        fields = _gemma_fields(hf, arch, source)
+        if fields["hidden_act"] not in ("silu", "gelu_pytorch_tanh") or (fields["hidden_act"] != "silu" and not gemma):
+            raise SpecjaxError(f"{source}: hidden_act {fields['hidden_act']!r} is not supported for {arch}")
         sliding_window, layer_types = _sliding_layers(hf, arch, int(hf["num_hidden_layers"]), source)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = hf.get("rope_scaling") or rope
-        rope_scaling = None
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("linear", "llama3"):
-                raise SpecjaxError(f"{source}: rope scaling {kind!r} is not supported (linear, llama3)")
-            rope_scaling = RopeScaling(
-                kind=kind,
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-            )
+        # Qwen3's and Gemma's config classes default head_dim to 128 and 256 rather than hidden / heads.
+        default_head_dim = {"Qwen3ForCausalLM": 128}.get(arch, 256 if gemma else hidden // num_heads)
+        default_max_positions = {"Qwen3ForCausalLM": 32768, "Gemma3ForCausalLM": 131072}.get(
+            arch, 8192 if gemma else 2048)
         return TransformerConfig(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            # Qwen3's config class defaults head_dim to 128 rather than hidden / heads.
-            head_dim=int(hf.get("head_dim") or (128 if arch == "Qwen3ForCausalLM" else hidden // num_heads)),
+            head_dim=int(hf.get("head_dim") or default_head_dim),
             intermediate_size=int(hf["intermediate_size"]),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            **_rope(hf, arch, source),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings",
-                                               32768 if arch == "Qwen3ForCausalLM" else 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", default_max_positions)),
             architecture=arch,
             sliding_window=sliding_window,
             layer_types=layer_types,
+            **fields,
         )
     except KeyError as e:
         raise SpecjaxError(f"{source}: required key {e.args[0]!r} is missing") from None

@@ -1,4 +1,4 @@
-"""Configuration of the target decoder (Llama and Qwen3 families)."""
+"""Configuration of the target decoder (Llama, Mistral, Qwen3 and Gemma 1/2/3 text families)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import dataclasses
 import math
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
+               "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,9 @@ class TransformerConfig:
     head_dim: int
     """Width of one attention head."""
     intermediate_size: int
-    """Hidden width of the SwiGLU MLP."""
+    """Hidden width of the gated MLP."""
+    hidden_act: str = "silu"
+    """Activation of the gated MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)."""
     rope_theta: float = 10000.0
     """RoPE base."""
     rope_scaling: RopeScaling | None = None
@@ -51,7 +58,25 @@ class TransformerConfig:
     rms_norm_eps: float = 1e-6
     """Epsilon inside every RMSNorm."""
     qk_norm: bool = False
-    """Qwen3: RMSNorm over head_dim applied to queries and keys before RoPE."""
+    """Qwen3, Gemma 3: RMSNorm over head_dim applied to queries and keys before RoPE."""
+    norm_unit_offset: bool = False
+    """Gemma: every RMSNorm multiplies by (1 + weight), in float32 before the cast back, so a zero
+    weight is the identity."""
+    scale_embeddings: bool = False
+    """Gemma: token embeddings are multiplied by sqrt(hidden_size), rounded to the compute dtype."""
+    sandwich_norms: bool = False
+    """Gemma 2/3: the attention and MLP outputs are normalised too (post_attention_layernorm on the
+    attention output, pre_feedforward_layernorm and post_feedforward_layernorm around the MLP)."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma 2/3: attention logits are q.k / sqrt(query_pre_attn_scalar) rather than / sqrt(head_dim)."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: attention logits s become c * tanh(s / c) before the mask and softmax."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: output logits z become c * tanh(z / c). Monotonic, so greedy tokens are unchanged,
+    but sampling sees the capped distribution."""
+    local_rope_theta: float | None = None
+    """Gemma 3: RoPE base of the sliding-attention layers, which also skip rope_scaling (that applies
+    to the full-attention layers only). None: every layer uses rope_theta and rope_scaling."""
     attention_bias: bool = False
     """Bias on the q/k/v/o projections (Llama option)."""
     mlp_bias: bool = False
@@ -87,6 +112,12 @@ class TransformerConfig:
                 raise ValueError(f"layer_types has {unknown[0]!r}; expected one of {LAYER_TYPES}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
         if self.attention not in ("xla", "pallas"):
             raise ValueError(f"attention must be 'xla' or 'pallas', got {self.attention!r}")
         if self.num_heads % self.num_kv_heads:
@@ -105,10 +136,24 @@ class TransformerConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def attention_scores(self):
+        """How q.k becomes an attention logit in this model (scale and optional soft cap)."""
+        from specjax.pallas_kernels.scores import AttentionScores
+
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+        return AttentionScores(scale=scale, softcap=self.attn_logit_softcapping)
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, rope scaling) of decoder layer `layer`."""
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
     def num_params(self) -> int:
         d, f = self.hidden_size, self.intermediate_size
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * d
+        per_layer = attn + 3 * d * f + norms + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
@@ -120,7 +165,7 @@ class TransformerConfig:
         """The config.json an HF model of this shape would have."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
+            "model_type": MODEL_TYPES.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -133,8 +178,17 @@ class TransformerConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
         }
+        if self.architecture in GEMMA_ARCHITECTURES:
+            out["hidden_activation"] = self.hidden_act
+            if self.architecture != "GemmaForCausalLM":
+                out["query_pre_attn_scalar"] = self.query_pre_attn_scalar or self.head_dim
+                out["attn_logit_softcapping"] = self.attn_logit_softcapping
+                out["final_logit_softcapping"] = self.final_logit_softcapping
+                out["sliding_window"] = self.sliding_window
+                out["layer_types"] = [
+                    "sliding_attention" if self.layer_window(i) else "full_attention" for i in range(self.num_layers)]
         if self.architecture == "LlamaForCausalLM":
             out["mlp_bias"] = self.mlp_bias
         if self.architecture == "MistralForCausalLM":
@@ -146,6 +200,8 @@ class TransformerConfig:
                 out["layer_types"] = [
                     "sliding_attention" if self.layer_window(i) else "full_attention" for i in range(self.num_layers)]
                 out["max_window_layers"] = 0
+        if self.local_rope_theta is not None:
+            out["rope_local_base_freq"] = self.local_rope_theta
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             out["rope_scaling"] = {
@@ -158,11 +214,12 @@ class TransformerConfig:
         return out
 
 
-def rope_inverse_frequencies(config: TransformerConfig) -> "list[float]":
-    """RoPE inverse frequencies (length head_dim / 2), with rope_scaling applied."""
+def rope_inverse_frequencies(config: TransformerConfig, layer: int | None = None) -> "list[float]":
+    """RoPE inverse frequencies (length head_dim / 2), with rope_scaling applied, of decoder layer
+    `layer` (None: the model-wide rope_theta and rope_scaling)."""
+    theta, rs = (config.rope_theta, config.rope_scaling) if layer is None else config.layer_rope(layer)
     half = config.head_dim // 2
-    inv = [1.0 / (config.rope_theta ** (2 * i / config.head_dim)) for i in range(half)]
-    rs = config.rope_scaling
+    inv = [1.0 / (theta ** (2 * i / config.head_dim)) for i in range(half)]
     if rs is None:
         return inv
     if rs.kind == "linear":

@@ -1,4 +1,4 @@
-"""Building blocks shared by the target and the drafters: RMSNorm, RoPE, GQA attention, SwiGLU."""
+"""Building blocks shared by the target and the drafters: RMSNorm, RoPE, GQA attention, gated MLPs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 from flax import linen as nn
 
 from specjax.models.config import TransformerConfig, rope_inverse_frequencies
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 
 # Finite, so a fully masked row gives a uniform softmax over garbage instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -16,20 +17,26 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 class RMSNorm(nn.Module):
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
+    unit_offset: bool = False
+    """Gemma's form: multiply by (1 + scale) in float32, then cast (the weight is stored as is)."""
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],))
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
         # HF casts back to the input dtype before multiplying by the weight; matching that order
         # keeps bf16 runs bit-compatible with the reference.
         return scale.astype(self.dtype) * normed.astype(self.dtype)
 
 
-def rope_tables(config: TransformerConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin for rotate-half RoPE. positions: [B, T] -> two arrays [B, T, D/2]."""
-    inv_freq = jnp.asarray(rope_inverse_frequencies(config), jnp.float32)  # [D/2]
+def rope_tables(config: TransformerConfig, positions: jax.Array, layer: int | None = None):
+    """cos and sin for rotate-half RoPE of decoder layer `layer` (None: the model-wide base).
+    positions: [B, T] -> two arrays [B, T, D/2]."""
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config, layer), jnp.float32)  # [D/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -82,26 +89,37 @@ def sliding_window_mask(mask: jax.Array, query_positions: jax.Array, slot_positi
     return mask & (slot_positions[:, None, :] > query_positions[:, :, None] - window)
 
 
-def grouped_query_attention(q, k, v, mask):
-    """q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] -> [B, T, H, D]."""
+def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
+    """q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] -> [B, T, H, D]. scores: the logits'
+    scale and optional soft cap."""
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
     return out.reshape(batch, num_new, num_heads, head_dim)
 
 
+ACTIVATION_FUNCTIONS = {
+    "silu": nn.silu,
+    # HF's gelu_pytorch_tanh is the tanh approximation of GELU.
+    "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+}
+
+
 class SwiGLU(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU (Gemma) with gelu_pytorch_tanh."""
+
     intermediate_size: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
+    activation: str = "silu"
 
     @nn.compact
     def __call__(self, x):
         dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, name=name)
-        hidden = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
+        act = ACTIVATION_FUNCTIONS[self.activation]
+        hidden = act(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
         return dense(x.shape[-1], "down_proj")(hidden)

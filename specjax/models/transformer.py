@@ -1,4 +1,4 @@
-"""The target model: one decoder for the Llama and Qwen3 families.
+"""The target model: one decoder for the Llama, Mistral, Qwen3 and Gemma (1, 2, 3 text) families.
 
 Functional use: `params = init_params(config, rng)` and `forward(params, config, ...)` are pure, so
 they sit inside `jit` and `lax.while_loop`. The layers are unrolled in Python rather than scanned:
@@ -42,22 +42,23 @@ class Attention(nn.Module):
         k = proj(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x).reshape(batch, num_new, cfg.num_kv_heads, cfg.head_dim)
         v = proj(cfg.num_kv_heads * cfg.head_dim, "v_proj")(x).reshape(batch, num_new, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
         cached_k = write_rows(cached_k, k, write_index)  # [B, S, K, D]
         cached_v = write_rows(cached_v, v, write_index)
+        scores = cfg.attention_scores()
         if cfg.attention == "pallas":
             if block_mask is None:
                 block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
             if self.window is None:
                 # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
                 out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
-                                        implementation="pallas")  # [B, T, H, D]
+                                        implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
                 out = self._sliding_pallas(q, k, v, cached_k, cached_v, write_index, block_mask, positions)
         else:
-            out = grouped_query_attention(q, cached_k, cached_v, mask)  # [B, T, H, D]
+            out = grouped_query_attention(q, cached_k, cached_v, mask, scores)  # [B, T, H, D]
         out = nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype, name="o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
@@ -67,12 +68,12 @@ class Attention(nn.Module):
         """A sliding layer through the windowed-attention kernel: the committed prefix (slot ==
         position) as one key range per query, [p - W + 1, write_index), and the new tokens under
         their block mask and the window, merged by log-sum-exp. [B, T, H, D]"""
-        window = self.window
+        window, scores = self.window, self.config.attention_scores()
         starts = jnp.maximum(positions - window + 1, 0)  # [B, T]
         ends = jnp.broadcast_to(write_index[:, None], starts.shape)  # [B, T]
-        prefix = window_attention_op(q, cached_k, cached_v, starts, ends, implementation="pallas")
+        prefix = window_attention_op(q, cached_k, cached_v, starts, ends, implementation="pallas", scores=scores)
         near = positions[:, None, :] > positions[:, :, None] - window  # [B, T, T] query x key
-        own = masked_attention(q, k, v, block_mask & near)
+        own = masked_attention(q, k, v, block_mask & near, scores)
         out, _ = merge_attention([prefix, own])
         return out
 
@@ -86,14 +87,17 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None, positions=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name=name)
         attn_out, cached_k, cached_v = Attention(cfg, self.window, name="self_attn")(
-            RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), cos, sin, cached_k, cached_v, write_index,
-            mask, block_mask, positions
+            norm("input_layernorm")(x), cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions
         )
-        x = x + attn_out
-        x = x + SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, name="mlp")(
-            RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        )
+        mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act, name="mlp")
+        if cfg.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm normalises the attention output
+            x = x + norm("post_attention_layernorm")(attn_out)
+            x = x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x)))
+        else:
+            x = x + attn_out
+            x = x + mlp(norm("post_attention_layernorm")(x))
         return x, cached_k, cached_v
 
 
@@ -117,12 +121,15 @@ class Transformer(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, embedding_init=nn.initializers.normal(0.02)
         )
         self.layers = [DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}") for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype)
 
     def embed(self, tokens):
-        return self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)  # [B, T, d]
+        if self.config.scale_embeddings:  # Gemma; HF rounds sqrt(d) to the weights' dtype first
+            x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
+        return x
 
     def project_logits(self, hidden):
         """Final norm + LM head. hidden: [B, N, d] (pre-norm) -> [B, N, V] float32."""
@@ -131,12 +138,17 @@ class Transformer(nn.Module):
     def head_only(self, normed):
         """LM head without the final norm (drafters bring their own norm). [B, N, d] -> [B, N, V]."""
         logits = self.embed_tokens.attend(normed) if self.config.tie_word_embeddings else self.lm_head(normed)
-        return logits.astype(jnp.float32)
+        return softcap_logits(logits.astype(jnp.float32), self.config.final_logit_softcapping)
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
                  hidden_layers: Sequence[int] = (), logit_positions=None):
-        x = self.embed_tokens(tokens)  # [B, T, d]
-        cos, sin = rope_tables(self.config, positions)  # [B, T, D/2]
+        cfg = self.config
+        x = self.embed(tokens)  # [B, T, d]
+        # One (cos, sin) pair per distinct RoPE base: Gemma 3's sliding layers use their own.
+        rope = {}
+        for i in range(cfg.num_layers):
+            if cfg.layer_rope(i) not in rope:
+                rope[cfg.layer_rope(i)] = rope_tables(cfg, positions, i)  # [B, T, D/2] each
         mask = attention_mask(write_index, tokens.shape[1], cache.max_length, block_mask)  # [B, T, S]
         windowed_masks = {}  # one mask per distinct window, shared by the layers that slide by it
         for window in {self.config.layer_window(i) for i in range(self.config.num_layers)} - {None}:
@@ -145,6 +157,7 @@ class Transformer(nn.Module):
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
             layer_mask = windowed_masks.get(self.config.layer_window(i), mask)
+            cos, sin = rope[cfg.layer_rope(i)]
             x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, layer_mask, block_mask, positions)
             keys.append(k)
             values.append(v)
@@ -193,6 +206,11 @@ def head_matrix(params, config: TransformerConfig, vocab_ids=None):
     """The LM head as a [d, V'] matrix, optionally only the columns of vocab_ids [V']."""
     full = params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]["kernel"]
     return full if vocab_ids is None else jnp.take(full, vocab_ids, axis=1)
+
+
+def softcap_logits(logits, softcap: float | None):
+    """Gemma 2's final soft cap, softcap * tanh(logits / softcap); the identity when softcap is None."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def apply_head(normed_hidden, head):

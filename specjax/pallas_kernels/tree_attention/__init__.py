@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 from specjax.pallas_kernels.tree_attention.kernel import BlockSizes, tree_attention
 from specjax.pallas_kernels.tree_attention.reference import (
     MASK_VALUE,
@@ -21,6 +22,7 @@ IMPLEMENTATIONS = ("xla", "pallas")
 __all__ = [
     "IMPLEMENTATIONS",
     "MASK_VALUE",
+    "AttentionScores",
     "BlockSizes",
     "TreeAttentionDims",
     "check_tree_attention_shapes",
@@ -42,6 +44,7 @@ def tree_attention_op(
     implementation: str = "xla",
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
+    scores: AttentionScores = STANDARD_SCORES,
 ) -> jax.Array:
     """Tree attention by the named implementation: "xla" (plain jnp) or "pallas" (the kernel).
 
@@ -49,11 +52,12 @@ def tree_attention_op(
     "pallas" (see `tree_attention`); block_sizes=None means the kernel's defaults.
     """
     if implementation == "xla":
-        return tree_attention_reference(q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask)
+        return tree_attention_reference(q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask, scores)
     if implementation == "pallas":
         return tree_attention(
             q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask,
             block_sizes=BlockSizes() if block_sizes is None else block_sizes,
+            scores=scores,
             interpret=interpret,
         )
     raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")

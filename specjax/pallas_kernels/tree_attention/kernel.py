@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 from specjax.pallas_kernels.tiling import check_block_sizes, check_head_dim, clamped_block, round_up
 
 from specjax.pallas_kernels.tree_attention.reference import MASK_VALUE, check_tree_attention_shapes
@@ -65,7 +66,7 @@ def _tree_attention_kernel(
     out_ref,  # [block_q, D]
     *,
     block_k: int,
-    scale: float,
+    scores: AttentionScores,
 ):
     block_q, head_dim = q_ref.shape
     num_tree_blocks = tree_k_ref.shape[0] // block_q
@@ -75,18 +76,17 @@ def _tree_attention_kernel(
     def attend(keys, values, visible, carry):
         """Fold one block of keys into the running softmax. keys, values: [N, D]; visible: broadcasts to [block_q, N]."""
         acc, running_max, running_sum = carry
-        scores = lax.dot_general(
+        products = lax.dot_general(
             q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )  # [block_q, N]
-        scores = scores * scale
         # Replace rather than add: garbage keys past the prefix may have produced inf or NaN scores.
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # [block_q]
+        logits = jnp.where(visible, scores.logits(products, head_dim), MASK_VALUE)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))  # [block_q]
         # Both maxima are finite (MASK_VALUE at worst), so this never computes inf - inf.
         correction = jnp.exp(running_max - new_max)  # [block_q]
         # The where keeps a row whose keys are all hidden at exactly zero weight: with a finite mask
         # value, exp(MASK_VALUE - MASK_VALUE) would otherwise count each hidden key as 1.
-        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)  # [block_q, N]
+        probs = jnp.where(visible, jnp.exp(logits - new_max[:, None]), 0.0)  # [block_q, N]
         running_sum = correction * running_sum + jnp.sum(probs, axis=1)
         # Probabilities go to the value dtype before the product, as in the model's XLA attention.
         update = jnp.dot(probs.astype(values.dtype), values, preferred_element_type=jnp.float32)  # [block_q, D]
@@ -123,7 +123,7 @@ def _tree_attention_kernel(
     out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("block_sizes", "scores", "interpret", "debug"))
 def tree_attention(
     q: jax.Array,
     cache_k: jax.Array,
@@ -134,14 +134,15 @@ def tree_attention(
     tree_mask: jax.Array,
     *,
     block_sizes: BlockSizes = BlockSizes(),
+    scores: AttentionScores = STANDARD_SCORES,
     interpret: bool | None = None,
     debug: bool = False,
 ) -> jax.Array:
     """Tree attention with the Pallas kernel. Same arguments and result as `tree_attention_reference`.
 
     q: [B, T, H, D]; cache_k, cache_v: [B, S, Kh, D]; prefix_lengths: [B] int; tree_k, tree_v:
-    [B, T, Kh, D]; tree_mask: [B, T, T] bool. Returns [B, T, H, D] in q.dtype. prefix_lengths are
-    clamped to [0, S]. interpret=None runs the Pallas interpreter when the default backend is the CPU
+    [B, T, Kh, D]; tree_mask: [B, T, T] bool; scores: the logits' scale and optional soft cap.
+    Returns [B, T, H, D] in q.dtype. prefix_lengths are clamped to [0, S]. interpret=None runs the Pallas interpreter when the default backend is the CPU
     and compiles with Triton otherwise; debug=True prints the kernel's jaxpr and lowered IR.
 
     Choosing S as a multiple of block_sizes.block_k avoids a padded copy of the cache on every call.
@@ -193,7 +194,7 @@ def tree_attention(
         pl.BlockSpec((None, block_q, padded_new), lambda qb, b, h: (b, qb, 0)),
     ]
     out_spec = pl.BlockSpec((None, block_q, None, head_dim), lambda qb, b, h: (b, qb, h, 0))
-    kernel = functools.partial(_tree_attention_kernel, block_k=block_k, scale=head_dim**-0.5)
+    kernel = functools.partial(_tree_attention_kernel, block_k=block_k, scores=scores)
     out = pl.pallas_call(
         kernel,
         grid=(padded_new // block_q, batch, dims.num_heads),

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
+
 # Same value as specjax.models.layers.MASK_VALUE (a test checks it). Finite, so masked scores never
 # produce inf - inf = NaN in the softmax. Defined here rather than imported because layers.py pulls in
 # flax, and this package must import with jax and numpy alone.
@@ -99,11 +101,13 @@ def tree_attention_reference(
     tree_k: jax.Array,
     tree_v: jax.Array,
     tree_mask: jax.Array,
+    scores: AttentionScores = STANDARD_SCORES,
 ) -> jax.Array:
     """Attention of T new tokens over a committed cache prefix plus themselves. Returns [B, T, H, D] in q.dtype.
 
     q: [B, T, H, D]; cache_k, cache_v: [B, S, Kh, D]; prefix_lengths: [B] int (slots < prefix_lengths[b]
-    are visible to row b); tree_k, tree_v: [B, T, Kh, D]; tree_mask: [B, T, T] bool (query x key).
+    are visible to row b); tree_k, tree_v: [B, T, Kh, D]; tree_mask: [B, T, T] bool (query x key);
+    scores: the logits' scale and optional soft cap.
     """
     dims = check_tree_attention_shapes(q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask)
     batch, num_new, cache_length = dims.batch, dims.num_new, dims.cache_length
@@ -117,11 +121,11 @@ def tree_attention_reference(
     visible = visible[:, None, None, :, :]  # [B, 1, 1, T, S+T] against scores [B, Kh, G, T, S+T]
 
     grouped_q = q.reshape(batch, num_new, dims.num_kv_heads, dims.group_size, dims.head_dim)  # [B, T, Kh, G, D]
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", grouped_q, keys, preferred_element_type=jnp.float32)
-    scores = scores * (dims.head_dim**-0.5)  # [B, Kh, G, T, S+T]
+    products = jnp.einsum("BTKGD,BSKD->BKGTS", grouped_q, keys, preferred_element_type=jnp.float32)
+    logits = scores.logits(products, dims.head_dim)  # [B, Kh, G, T, S+T]
     # Replacing (not adding to) hidden scores also discards any inf/NaN that garbage keys produced.
-    scores = jnp.where(visible, scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    logits = jnp.where(visible, logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
     # A no-op wherever a row sees at least one key (exp(MASK_VALUE - max) underflows to exactly 0);
     # for a row that sees nothing it turns the uniform average over garbage into zeros.
     probs = jnp.where(visible, probs, 0.0).astype(values.dtype)

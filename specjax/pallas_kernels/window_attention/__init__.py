@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 from specjax.pallas_kernels.window_attention.kernel import BlockSizes, window_attention
 from specjax.pallas_kernels.window_attention.reference import (
     WindowAttentionDims,
@@ -25,6 +26,7 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "AttentionScores",
     "BlockSizes",
     "WindowAttentionDims",
     "check_window_attention_shapes",
@@ -39,16 +41,17 @@ __all__ = [
 
 def window_attention_op(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, ends: jax.Array, *,
                         implementation: str = "xla", interpret: bool | None = None,
-                        block_sizes: BlockSizes | None = None):
+                        block_sizes: BlockSizes | None = None, scores: AttentionScores = STANDARD_SCORES):
     """Windowed attention by the named implementation: "xla" (plain jnp) or "pallas" (the kernels).
 
     Arguments and results as in `window_attention_reference`: (out [B, T, H, D], lse [B, T, H]).
-    interpret and block_sizes only apply to "pallas" (see `window_attention`).
+    scores: the logits' scale and optional soft cap. interpret and block_sizes only apply to
+    "pallas" (see `window_attention`).
     """
     if implementation == "xla":
-        return window_attention_reference(q, k, v, starts, ends)
+        return window_attention_reference(q, k, v, starts, ends, scores)
     if implementation == "pallas":
         return window_attention(q, k, v, starts, ends,
                                 block_sizes=BlockSizes() if block_sizes is None else block_sizes,
-                                interpret=interpret)
+                                scores=scores, interpret=interpret)
     raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")

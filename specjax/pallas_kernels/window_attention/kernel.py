@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 from specjax.pallas_kernels.tiling import check_block_sizes, check_head_dim, clamped_block, round_up
 
 from specjax.pallas_kernels.tree_attention.reference import MASK_VALUE
@@ -113,7 +114,7 @@ def _key_block_ranges(starts, ends, tiling: _Tiling):
 
 
 def _forward_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *,
-                    block_k: int, scale: float):
+                    block_k: int, scores: AttentionScores):
     # first_ref, end_ref: [] key-block range; starts_ref, ends_ref: [block_q]; q_ref: [block_q, D];
     # k_ref, v_ref: [S_pad, D] (this row, this head's kv head); out_ref: [block_q, D]; lse_ref: [block_q]
     block_q, head_dim = q_ref.shape
@@ -127,11 +128,11 @@ def _forward_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_re
         values = v_ref[pl.ds(start, block_k), :]  # [block_k, D]
         key_index = start + jnp.arange(block_k, dtype=jnp.int32)
         visible = (key_index[None, :] >= starts[:, None]) & (key_index[None, :] < ends[:, None])  # [block_q, block_k]
-        scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+        products = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible, scores.logits(products, head_dim), MASK_VALUE)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         correction = jnp.exp(running_max - new_max)
-        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)  # [block_q, block_k]
+        probs = jnp.where(visible, jnp.exp(logits - new_max[:, None]), 0.0)  # [block_q, block_k]
         running_sum = correction * running_sum + jnp.sum(probs, axis=1)
         acc = correction[:, None] * acc + jnp.dot(probs.astype(values.dtype), values,
                                                   preferred_element_type=jnp.float32)
@@ -147,7 +148,7 @@ def _forward_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_re
 
 
 def _dq_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               block_k: int, scale: float):
+               block_k: int, scores: AttentionScores):
     # As the forward, plus do_ref: [block_q, D], lse_ref/delta_ref: [block_q]; dq_ref: [block_q, D] float32.
     block_q, head_dim = q_ref.shape
     q, do = q_ref[...], do_ref[...]
@@ -160,18 +161,20 @@ def _dq_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_ref, do
         values = v_ref[pl.ds(start, block_k), :]
         key_index = start + jnp.arange(block_k, dtype=jnp.int32)
         visible = (key_index[None, :] >= starts[:, None]) & (key_index[None, :] < ends[:, None])
-        scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        probs = jnp.where(visible, jnp.exp(jnp.where(visible, scores, 0.0) - lse[:, None]), 0.0)  # [block_q, block_k]
+        products = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible, scores.logits(products, head_dim), 0.0)
+        probs = jnp.where(visible, jnp.exp(logits - lse[:, None]), 0.0)  # [block_q, block_k]
         dprobs = lax.dot_general(do, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        dscores = probs * (dprobs - delta[:, None])  # [block_q, block_k]
-        return dq + jnp.dot(dscores.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+        # Gradient with respect to the scaled, uncapped score: the cap's derivative enters here.
+        dscaled = probs * (dprobs - delta[:, None]) * scores.capped_gradient(logits)  # [block_q, block_k]
+        return dq + jnp.dot(dscaled.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
 
     dq = lax.fori_loop(first_ref[()], end_ref[()], key_block, jnp.zeros((block_q, head_dim), jnp.float32))
-    dq_ref[...] = dq * scale
+    dq_ref[...] = dq * scores.scale_for(head_dim)
 
 
 def _dkv_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, block_q: int, scale: float):
+                dk_ref, dv_ref, *, block_q: int, scores: AttentionScores):
     # first_ref, end_ref: [] query-block range; starts_ref, ends_ref, lse_ref, delta_ref: [T_pad];
     # q_ref, do_ref: [T_pad, D] (this row and head); k_ref, v_ref: [block_k, D]; dk_ref, dv_ref: [block_k, D] float32.
     block_k, head_dim = k_ref.shape
@@ -188,19 +191,20 @@ def _dkv_kernel(first_ref, end_ref, starts_ref, ends_ref, q_ref, k_ref, v_ref, d
         starts = starts_ref[pl.ds(start, block_q)]
         ends = ends_ref[pl.ds(start, block_q)]
         visible = (key_index[None, :] >= starts[:, None]) & (key_index[None, :] < ends[:, None])  # [block_q, block_k]
-        scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        probs = jnp.where(visible, jnp.exp(jnp.where(visible, scores, 0.0) - lse[:, None]), 0.0)
+        products = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible, scores.logits(products, head_dim), 0.0)
+        probs = jnp.where(visible, jnp.exp(logits - lse[:, None]), 0.0)
         dv = dv + lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)  # [block_k, D]
         dprobs = lax.dot_general(do, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        dscores = probs * (dprobs - delta[:, None])
-        dk = dk + lax.dot_general(dscores.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+        dscaled = probs * (dprobs - delta[:, None]) * scores.capped_gradient(logits)
+        dk = dk + lax.dot_general(dscaled.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
         return dk, dv
 
     zeros = jnp.zeros((block_k, head_dim), jnp.float32)
     dk, dv = lax.fori_loop(first_ref[()], end_ref[()], query_block, (zeros, zeros))
-    dk_ref[...] = dk * scale
+    dk_ref[...] = dk * scores.scale_for(head_dim)
     dv_ref[...] = dv
 
 
@@ -226,10 +230,10 @@ def _kv_head(head, group_size):
     return lax.div(head, group_size)  # a plain sdiv in Triton, unlike `//`
 
 
-def _forward(q, k, v, starts, ends, block_sizes: BlockSizes, interpret: bool):
+def _forward(q, k, v, starts, ends, block_sizes: BlockSizes, scores: AttentionScores, interpret: bool):
     dims, tiling, q_p, k_p, v_p, starts_p, ends_p, ((first_key, end_key), _) = _prepared(q, k, v, starts, ends, block_sizes)
     group, head_dim = dims.group_size, dims.head_dim
-    kernel = functools.partial(_forward_kernel, block_k=tiling.block_k, scale=head_dim**-0.5)
+    kernel = functools.partial(_forward_kernel, block_k=tiling.block_k, scores=scores)
     out, lse = pl.pallas_call(
         kernel,
         grid=(tiling.num_q_blocks, dims.batch, dims.num_heads),
@@ -256,10 +260,11 @@ def _forward(q, k, v, starts, ends, block_sizes: BlockSizes, interpret: bool):
     return out[:, :num_queries], jnp.transpose(lse, (0, 2, 1))[:, :num_queries]  # [B, T, H, D], [B, T, H]
 
 
-def _backward(q, k, v, starts, ends, out, lse, d_out, d_lse, block_sizes: BlockSizes, interpret: bool):
+def _backward(q, k, v, starts, ends, out, lse, d_out, d_lse, block_sizes: BlockSizes, scores: AttentionScores,
+              interpret: bool):
     dims, tiling, q_p, k_p, v_p, starts_p, ends_p, ranges = _prepared(q, k, v, starts, ends, block_sizes)
     (first_key, end_key), (first_query, end_query) = ranges
-    group, head_dim, scale = dims.group_size, dims.head_dim, dims.head_dim**-0.5
+    group, head_dim = dims.group_size, dims.head_dim
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse  # [B, T, H]
     pad_rows = lambda x: _pad_axis1(x, tiling.padded_queries)
     do_p = pad_rows(d_out.astype(q.dtype))  # [B, T_pad, H, D]
@@ -269,7 +274,7 @@ def _backward(q, k, v, starts, ends, out, lse, d_out, d_lse, block_sizes: BlockS
     q_block = lambda qb, b, h: (b, qb, h, 0)
     kv_full = lambda qb, b, h: (b, 0, _kv_head(h, group), 0)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, block_k=tiling.block_k, scale=scale),
+        functools.partial(_dq_kernel, block_k=tiling.block_k, scores=scores),
         grid=(tiling.num_q_blocks, dims.batch, dims.num_heads),
         in_specs=[
             pl.BlockSpec((None, None), lambda qb, b, h: (b, qb)),
@@ -292,7 +297,7 @@ def _backward(q, k, v, starts, ends, out, lse, d_out, d_lse, block_sizes: BlockS
 
     k_block = lambda kb, b, h: (b, kb, h, 0)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, block_q=tiling.block_q, scale=scale),
+        functools.partial(_dkv_kernel, block_q=tiling.block_q, scores=scores),
         grid=(tiling.num_k_blocks, dims.batch, dims.num_heads),
         in_specs=[
             pl.BlockSpec((None, None), lambda kb, b, h: (b, kb)),
@@ -321,39 +326,41 @@ def _backward(q, k, v, starts, ends, out, lse, d_out, d_lse, block_sizes: BlockS
     return dq[:, :dims.num_queries].astype(q.dtype), sum_groups(dk), sum_groups(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _window_attention(q, k, v, starts, ends, block_sizes, interpret):
-    return _forward(q, k, v, starts, ends, block_sizes, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _window_attention(q, k, v, starts, ends, block_sizes, scores, interpret):
+    return _forward(q, k, v, starts, ends, block_sizes, scores, interpret)
 
 
-def _window_attention_fwd(q, k, v, starts, ends, block_sizes, interpret):
-    out, lse = _forward(q, k, v, starts, ends, block_sizes, interpret)
+def _window_attention_fwd(q, k, v, starts, ends, block_sizes, scores, interpret):
+    out, lse = _forward(q, k, v, starts, ends, block_sizes, scores, interpret)
     return (out, lse), (q, k, v, starts, ends, out, lse)
 
 
-def _window_attention_bwd(block_sizes, interpret, residuals, cotangents):
+def _window_attention_bwd(block_sizes, scores, interpret, residuals, cotangents):
     q, k, v, starts, ends, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv = _backward(q, k, v, starts, ends, out, lse, d_out, d_lse.astype(jnp.float32), block_sizes, interpret)
+    dq, dk, dv = _backward(q, k, v, starts, ends, out, lse, d_out, d_lse.astype(jnp.float32), block_sizes, scores,
+                           interpret)
     return dq, dk, dv, None, None
 
 
 _window_attention.defvjp(_window_attention_fwd, _window_attention_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def window_attention(q, k, v, starts, ends, *, block_sizes: BlockSizes = BlockSizes(), interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "scores", "interpret"))
+def window_attention(q, k, v, starts, ends, *, block_sizes: BlockSizes = BlockSizes(),
+                     scores: AttentionScores = STANDARD_SCORES, interpret: bool | None = None):
     """Windowed attention with the Pallas kernels. Same arguments and results as
     `window_attention_reference`: (out [B, T, H, D], lse [B, T, H] float32); differentiable in q, k
     and v (the backward is two more kernels).
 
-    q: [B, T, H, D]; k, v: [B, S, Kh, D]; starts, ends: [B, T] int, clipped to [0, S].
-    interpret=None runs the Pallas interpreter when the default backend is the CPU and compiles with
-    Triton otherwise.
+    q: [B, T, H, D]; k, v: [B, S, Kh, D]; starts, ends: [B, T] int, clipped to [0, S]. scores: the
+    scale and optional soft cap of the logits (see `AttentionScores`). interpret=None runs the Pallas
+    interpreter when the default backend is the CPU and compiles with Triton otherwise.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     head_dim = q.shape[-1]
     if not interpret:
         check_head_dim(head_dim)
-    return _window_attention(q, k, v, starts, ends, block_sizes, interpret)
+    return _window_attention(q, k, v, starts, ends, block_sizes, scores, interpret)

@@ -23,6 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 from specjax.pallas_kernels.tree_attention.reference import MASK_VALUE
 
 
@@ -91,20 +92,20 @@ def sliding_window_ranges(query_positions, window: int | None, kv_lengths=None):
     return starts, ends
 
 
-def window_attention_reference(q, k, v, starts, ends):
+def window_attention_reference(q, k, v, starts, ends, scores: AttentionScores = STANDARD_SCORES):
     """Attention of each query over its key range. Returns (out [B, T, H, D] in q.dtype, lse [B, T, H]
-    float32: the log-sum-exp of the query's visible scaled scores, MASK_VALUE when it sees nothing).
+    float32: the log-sum-exp of the query's visible logits, MASK_VALUE when it sees nothing).
 
-    q: [B, T, H, D]; k, v: [B, S, Kh, D]; starts, ends: [B, T] int (query i sees keys starts..ends-1).
-    Differentiable in q, k and v.
+    q: [B, T, H, D]; k, v: [B, S, Kh, D]; starts, ends: [B, T] int (query i sees keys starts..ends-1);
+    scores: the logits' scale and optional soft cap. Differentiable in q, k and v.
     """
     dims = check_window_attention_shapes(q, k, v, starts, ends)
     key_index = jnp.arange(dims.num_keys, dtype=jnp.int32)  # [S]
     visible = (key_index >= starts[..., None]) & (key_index < ends[..., None])  # [B, T, S]
-    return masked_attention(q, k, v, visible)
+    return masked_attention(q, k, v, visible, scores)
 
 
-def masked_attention(q, k, v, visible):
+def masked_attention(q, k, v, visible, scores: AttentionScores = STANDARD_SCORES):
     """Attention under an explicit mask, with its log-sum-exp: for small key sets (a block's own
     keys, summary tokens) that are merged with windowed attention by `merge_attention`.
 
@@ -115,10 +116,10 @@ def masked_attention(q, k, v, visible):
     num_kv_heads = k.shape[2]
     visible = visible[:, None, None]  # [B, 1, 1, T, S] against scores [B, Kh, G, T, S]
     grouped_q = q.reshape(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, Kh, G, D]
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", grouped_q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible, scores * (head_dim**-0.5), MASK_VALUE)  # [B, Kh, G, T, S]
-    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    weights = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
+    products = jnp.einsum("BTKGD,BSKD->BKGTS", grouped_q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(visible, scores.logits(products, head_dim), MASK_VALUE)  # [B, Kh, G, T, S]
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Kh, G, T, 1]
     seen = total > 0
     probs = (weights / jnp.where(seen, total, 1.0)).astype(v.dtype)
