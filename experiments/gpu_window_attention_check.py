@@ -35,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from gpu_tree_attention_check import fmt, max_abs_error, median_ms, short_error  # noqa: E402
 from specjax.pallas_kernels.window_attention import (  # noqa: E402
+    AttentionScores,
     BlockSizes,
     sliding_window_ranges,
     window_attention,
@@ -65,10 +66,12 @@ def relative_error(actual, expected) -> float:
 
 def run_checks(cases, heads, block_sizes, deadline):
     rows = []
-    for index, (batch, length, window, ragged) in enumerate(cases):
+    for index, (batch, length, window, ragged, softcap) in enumerate(cases):
+        # A soft-capped case (Gemma 2's logits) exercises tanh and its derivative inside the kernels.
+        scores = AttentionScores() if softcap is None else AttentionScores(scale=0.0625, softcap=softcap)
         for dtype_name in ("float32", "bfloat16"):
-            row = dict(batch=batch, length=length, window=window, ragged=ragged, dtype=dtype_name, errors=None,
-                       ok=False, error=None)
+            row = dict(batch=batch, length=length, window=window, ragged=ragged, softcap=softcap, dtype=dtype_name,
+                       errors=None, ok=False, error=None)
             rows.append(row)
             if time.monotonic() > deadline:
                 row["error"] = "skipped: time budget spent"
@@ -83,11 +86,12 @@ def run_checks(cases, heads, block_sizes, deadline):
                         return jnp.sum(out.astype(jnp.float32) * probe) + 0.1 * jnp.sum(jnp.where(lse > -1e30, lse, 0))
                     return f
 
-                kernel = lambda *a: window_attention(*a, block_sizes=block_sizes)  # noqa: E731
+                kernel = lambda *a: window_attention(*a, block_sizes=block_sizes, scores=scores)  # noqa: E731
+                reference = lambda *a: window_attention_reference(*a, scores)  # noqa: E731
                 with jax.default_matmul_precision("highest"):
-                    expected = jax.block_until_ready(window_attention_reference(q, k, v, starts, ends))
+                    expected = jax.block_until_ready(reference(q, k, v, starts, ends))
                     actual = jax.block_until_ready(kernel(q, k, v, starts, ends))
-                    grads_expected = jax.grad(loss(window_attention_reference), argnums=(0, 1, 2))(q, k, v)
+                    grads_expected = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
                     grads_actual = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
                 errors = {"out": relative_error(actual[0], expected[0]), "lse": relative_error(actual[1], expected[1])}
                 for name, a, e in zip(("dq", "dk", "dv"), grads_actual, grads_expected):
@@ -157,19 +161,20 @@ def main() -> int:
     block_sizes = BlockSizes(block_q=args.block_q, block_k=args.block_k)
     repeats = args.repeats or (2 if args.quick else 10)
     if args.quick:
-        cases = [(2, 40, 8, True), (1, 33, 100, False)]
+        cases = [(2, 40, 8, True, None), (1, 33, 100, False, 5.0)]
         grid = [(64, 16)]
     else:
-        cases = [(2, 1000, 128, True), (1, 2048, 4096, False), (2, 777, 64, False)]
+        cases = [(2, 1000, 128, True, None), (1, 2048, 4096, False, None), (2, 777, 64, False, None),
+                 (1, 1000, 256, False, 5.0)]
         grid = [(n, w) for n in (2048, 8192, 32768) for w in (256, 1024, 4096) if w < n]
     checks = run_checks(cases, heads, block_sizes, deadline)
     print("\n## Correctness (kernels vs reference; errors relative to the largest magnitude)\n")
-    print("| B | T | window | ragged | dtype | out | lse | dq | dk | dv | result |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | window | ragged | soft cap | dtype | out | lse | dq | dk | dv | result |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in checks:
         e = r["errors"] or {}
         result = r["error"] or ("ok" if r["ok"] else f"FAIL (tolerance {TOLERANCE[r['dtype']]})")
-        print(f"| {r['batch']} | {r['length']} | {r['window']} | {r['ragged']} | {r['dtype']} | "
+        print(f"| {r['batch']} | {r['length']} | {r['window']} | {r['ragged']} | {r['softcap'] or '-'} | {r['dtype']} | "
               + " | ".join(fmt(e.get(n), ".1e") for n in ("out", "lse", "dq", "dk", "dv")) + f" | {result} |")
     timings = run_timings(grid, heads, block_sizes, repeats, deadline)
     print(f"\n## Timing (bfloat16, batch 1, H={heads['num_heads']} Kh={heads['num_kv_heads']} D={heads['head_dim']}, "
