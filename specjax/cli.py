@@ -138,7 +138,10 @@ def _memory_line(m: dict) -> str:
             f"({m['target_kv_bytes_per_token'] / 1024:.1f} KiB/token)")
     if "drafter_state_bytes" in m:
         line += f", drafter state {_mib(m['drafter_state_bytes'])} ({m['drafter_attention']})"
-    return line + f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"
+    line += f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"
+    if m.get("device_peak_bytes") is not None:
+        line += f", device peak since start {_mib(m['device_peak_bytes'])}"
+    return line
 
 
 def cmd_memory(args) -> int:

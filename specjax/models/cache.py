@@ -38,9 +38,6 @@ class KVCache:
     def batch_size(self) -> int:
         return self.keys[0].shape[0]
 
-    def num_bytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.keys + self.values)
-
 
 def write_rows(buffer: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
     """Write update[b] into buffer[b, start[b]:start[b]+T].

@@ -7,9 +7,11 @@ Every generate call reports `stats["memory"]` (see `decode_memory`):
 - drafter_state_bytes: the drafter's context state. With full attention it grows by
   drafter_bytes_per_token per token; windowed it is a fixed ring of drafter_window_bytes plus
   summaries that grow by drafter_summary_bytes_per_segment per finished segment.
-- peak_bytes: the device's peak bytes in use when the backend reports it (GPU, TPU), otherwise the
-  compiled decode program's own buffers (arguments + outputs + temporaries, as XLA assigned them),
-  with peak_source saying which.
+- peak_bytes: the compiled decode program's own buffers (arguments + outputs + temporaries, as XLA
+  assigned them), which belong to this call alone; when no compiled program is at hand (streaming),
+  the device's peak bytes in use, if the backend reports it. peak_source says which.
+- device_peak_bytes: where the backend reports it (GPU, TPU), the device's peak bytes in use since
+  the process started. It covers every earlier call too, so it is an upper bound for this one.
 
 Shapes only: nothing here allocates device memory.
 """
@@ -52,14 +54,21 @@ def drafter_state_breakdown(drafter_config, batch: int, cache_length: int) -> di
     return out
 
 
-def measured_peak_bytes(compiled=None) -> tuple[int | None, str]:
-    """(peak bytes, source): the device's peak_bytes_in_use if it reports one, else the compiled
-    program's buffers (arguments + outputs + temporaries - aliased), else (None, "unavailable")."""
+def device_peak_bytes() -> int | None:
+    """The device's peak bytes in use since the process started, where the backend reports it."""
     stats = jax.devices()[0].memory_stats()
-    if stats and "peak_bytes_in_use" in stats:
-        return int(stats["peak_bytes_in_use"]), "device peak_bytes_in_use"
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def measured_peak_bytes(compiled=None) -> tuple[int | None, str]:
+    """(peak bytes, source): the compiled program's own buffers (arguments + outputs + temporaries -
+    aliased) when given, which are this call's alone; else the device's lifetime peak_bytes_in_use;
+    else (None, "unavailable")."""
     if compiled is not None:
         return measured_peak_bytes_of(compiled)
+    device_peak = device_peak_bytes()
+    if device_peak is not None:
+        return device_peak, "device peak_bytes_in_use (since the process started)"
     return None, "unavailable"
 
 
@@ -73,6 +82,7 @@ def decode_memory(target_config: TransformerConfig, drafter_config, batch: int, 
     if drafter_config is not None:
         out.update(drafter_state_breakdown(drafter_config, batch, cache_length))
     out["peak_bytes"], out["peak_source"] = measured_peak_bytes(compiled)
+    out["device_peak_bytes"] = device_peak_bytes()
     logger.info("memory: %s", out)
     return out
 
