@@ -3,7 +3,6 @@
 
     python experiments/tree_topk_probe.py
 """
-import json
 from specjax.io.registry import load_model, resolve_drafter
 from specjax.decode.engine import Engine
 from specjax.decode.tree import TreeConfig

@@ -63,6 +63,16 @@ def build_tiny_hf(arch: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def transformers_greedy(model, prompt, new_tokens):
+    """transformers' greedy continuation of `prompt`, exactly new_tokens long (EOS ignored)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             min_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def tiny_hf(request, tmp_path_factory):
     """(arch, torch model, folder) for a tiny random Llama and Qwen3 saved as HF folders."""

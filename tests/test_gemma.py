@@ -19,7 +19,7 @@ from specjax.io.registry import LoadedModel, load_model
 from specjax.models.cache import KVCache
 from specjax.models.transformer import forward
 
-from conftest import build_tiny_hf, train_tiny_drafter
+from conftest import build_tiny_hf, train_tiny_drafter, transformers_greedy
 
 # Longer than the sliding window (4 keys), so it bites.
 PROMPT = [5, 17, 3, 88, 42, 9, 1, 60, 2, 33, 7, 7, 11, 20, 31, 44]
@@ -96,10 +96,7 @@ def test_greedy_generation_identical_to_transformers(gemma_hf):
     _, model, folder = gemma_hf
     engine = Engine(load_model(str(folder)))
     ours = engine.generate([PROMPT], max_new_tokens=12, ignore_eos=True).tokens[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                             pad_token_id=0)
-    assert ours == ref[0, len(PROMPT):].tolist()
+    assert ours == transformers_greedy(model, PROMPT, 12)
 
 
 def test_save_round_trip(gemma_hf, tmp_path):

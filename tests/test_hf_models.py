@@ -18,7 +18,7 @@ from specjax.io.registry import load_model
 from specjax.models.cache import KVCache
 from specjax.models.transformer import forward
 
-from conftest import build_tiny_hf
+from conftest import build_tiny_hf, transformers_greedy
 
 PROMPTS = [[5, 17, 3, 88, 42, 9, 1], [60, 2, 33], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 11]]
 
@@ -52,10 +52,7 @@ def test_greedy_continuations_identical_to_transformers(tiny_hf):
     engine = Engine(load_model(str(folder)))
     for ids in PROMPTS:
         ours = engine.generate([ids], max_new_tokens=12, ignore_eos=True).tokens[0]
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                                 pad_token_id=0)
-        assert ours == ref[0, len(ids):].tolist()
+        assert ours == transformers_greedy(model, ids, 12)
 
 
 def test_ragged_batch_equals_one_prompt_at_a_time(tiny_hf):

@@ -4,7 +4,6 @@ alternate) against transformers, through both attention implementations and ever
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +17,7 @@ from specjax.io.registry import LoadedModel, load_model
 from specjax.models.cache import KVCache
 from specjax.models.transformer import forward
 
-from conftest import build_tiny_hf
+from conftest import build_tiny_hf, transformers_greedy
 
 # Longer than every window (4 and 5 keys), so the windows bite.
 PROMPT = [5, 17, 3, 88, 42, 9, 1, 60, 2, 33, 7, 7, 11, 20, 31, 44]
@@ -84,10 +83,7 @@ def test_greedy_generation_identical_to_transformers(sliding_hf):
     _, model, folder = sliding_hf
     engine = Engine(load_model(str(folder)))
     ours = engine.generate([PROMPT], max_new_tokens=14, ignore_eos=True).tokens[0]
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=14, do_sample=False, min_new_tokens=14,
-                             pad_token_id=0)
-    assert ours == ref[0, len(PROMPT):].tolist()
+    assert ours == transformers_greedy(model, PROMPT, 14)
 
 
 def test_save_round_trip_keeps_the_window(sliding_hf, tmp_path):

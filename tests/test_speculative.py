@@ -19,7 +19,7 @@ from specjax.io.registry import LoadedModel
 from specjax.models.cache import KVCache
 from specjax.models.drafter import DrafterConfig, init_drafter_params
 from specjax.models.transformer import forward
-from specjax.train.drafter import DrafterTrainConfig, DistillationSet, build_distillation_set, train_drafter
+from specjax.train.drafter import DrafterTrainConfig, train_drafter
 from specjax.train.loop import LoopConfig, OptimizerConfig
 
 from stats import chi_square_pvalue

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from specjax.models.cache import KVCache, write_rows
+from specjax.models.cache import write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_query_attention, rope_tables
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op

@@ -162,7 +162,6 @@ def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step
     picks = rng.integers(0, sizes.sum(), size=cfg.sequences_per_batch)
     owner = np.searchsorted(np.cumsum(sizes), picks, side="right")
     rows = [(sets[o], int(p - (sizes[:o].sum()))) for o, p in zip(owner, picks)]
-    seq_len = sets[0].tokens.shape[1]
     anchors = np.zeros((len(rows), cfg.anchors_per_sequence), np.int32)
     for i, (d, r) in enumerate(rows):
         # An anchor is useful when its first drafted slot has a valid label.
