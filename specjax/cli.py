@@ -135,7 +135,10 @@ def _mib(n: int | None) -> str:
 
 def _memory_line(m: dict) -> str:
     line = (f"target KV {_mib(m['target_kv_bytes'])} for {m['cache_length']} slots "
-            f"({m['target_kv_bytes_per_token'] / 1024:.1f} KiB/token)")
+            f"({m['target_kv_bytes_per_token'] / 1024:.1f} KiB/token")
+    if m.get("target_kv_window_bytes"):
+        line += f" + {_mib(m['target_kv_window_bytes'])} of sliding-layer rings"
+    line += ")"
     if "drafter_state_bytes" in m:
         line += f", drafter state {_mib(m['drafter_state_bytes'])} ({m['drafter_attention']})"
     line += f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"

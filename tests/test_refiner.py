@@ -149,7 +149,8 @@ def test_perturbed_refiner_really_changes_the_drafts(target, drafter):
 
 
 @pytest.mark.parametrize("sampling,refine", [(SAMPLINGS[0], RefineConfig(2)),
-                                             (SAMPLINGS[1], RefineConfig(2, keep_confident=0.5))])
+                                             pytest.param(SAMPLINGS[1], RefineConfig(2, keep_confident=0.5),
+                                                          marks=pytest.mark.slow)])
 def test_sampled_chain_with_refiner_matches_the_exact_target_distribution(target, drafter, sampling, refine):
     prompt = [1, 5, 2]
     exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=3)

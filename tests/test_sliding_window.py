@@ -14,7 +14,8 @@ from specjax.decode.engine import Engine
 from specjax.errors import SpecjaxError
 from specjax.io.hf import config_from_hf, load_hf_model, save_hf_model
 from specjax.io.registry import LoadedModel, load_model
-from specjax.models.cache import KVCache
+from specjax.models.cache import KVCache, write_ring
+from specjax.models.layers import ring_slots
 from specjax.models.transformer import forward
 
 from conftest import build_tiny_hf, transformers_greedy
@@ -124,3 +125,70 @@ def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, meth
     plain = Engine(LoadedModel("tiny", target.config, target.params, None, (3,)), drafter)
     assert plain.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens != reference
     assert engine.generate(prompts, max_new_tokens=24, method=method, ignore_eos=True).tokens == reference
+
+
+# ---- KV rings: a sliding layer keeps window + step - 1 slots instead of one per position ----
+
+def test_ring_write_keeps_each_rows_last_real_tokens():
+    """write_ring: slot s at index s mod R; of a right-padded block only each row's last R real
+    tokens are written (no index twice), and with the default every token of a short block."""
+    buffer = jnp.full((2, 5, 1), -1.0)
+    update = jnp.arange(1.0, 9.0)[None, :, None].repeat(2, axis=0)  # tokens 1..8 at slots start..start+7
+    out = write_ring(buffer, update, jnp.asarray([0, 3]), valid_lengths=jnp.asarray([8, 3]))
+    # Row 0: slots 3..7 (tokens 4..8) survive at indices 3, 4, 0, 1, 2. Row 1: slots 3..5 at 3, 4, 0.
+    assert out[0, :, 0].tolist() == [6.0, 7.0, 8.0, 4.0, 5.0]
+    assert out[1, :, 0].tolist() == [3.0, -1.0, -1.0, 1.0, 2.0]
+    short = write_ring(buffer, update[:, :2], jnp.asarray([4, 9]))
+    assert short[0, :, 0].tolist() == [2.0, -1.0, -1.0, -1.0, 1.0] and short[1, :, 0].tolist() == [2.0, -1, -1, -1, 1.0]
+    # Before a write at index w, ring index i holds slot w - R + (i - w) mod R (negative: never written).
+    assert ring_slots(jnp.asarray([7, 2]), 5).tolist() == [[5, 6, 2, 3, 4], [0, 1, -3, -2, -1]]
+
+
+def test_ring_sizes_and_memory_accounting():
+    config = dataclasses.replace(config_from_hf(dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, intermediate_size=8, use_sliding_window=True, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2)), kv_ring_step=16)
+    cache = KVCache.zeros(config, 1, 4096)
+    assert [k.shape[1] for k in cache.keys] == [79, 4096, 79, 4096]
+    assert KVCache.zeros(config, 1, 50).keys[0].shape[1] == 50  # never more slots than positions
+    per_slot = 2 * 1 * 4 * 4  # K and V, one kv head of 4 floats
+    assert config.kv_bytes_per_token() == 2 * per_slot  # only the two full layers grow
+    assert config.kv_window_bytes() == 2 * 79 * per_slot
+    full = dataclasses.replace(config, kv_ring_step=None)
+    assert full.kv_bytes_per_token() == 4 * per_slot and full.kv_window_bytes() == 0
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_ring_cache_decode_matches_full_forward(sliding_hf, attention):
+    """Rings of window + 4 - 1 slots: a 9-token prefill (more than the ring holds), then 4 + 3
+    tokens that wrap around it, give the full forward's logits."""
+    _, _, folder = sliding_hf
+    config, params = load_hf_model(folder)
+    config = dataclasses.replace(config, attention=attention, kv_ring_step=4)
+    tokens = jnp.asarray([PROMPT])
+    full = forward(params, dataclasses.replace(config, kv_ring_step=None), tokens, jnp.arange(16)[None],
+                   KVCache.zeros(config, 1, 32), jnp.zeros((1,), jnp.int32)).logits
+    cache, pieces, start = KVCache.zeros(config, 1, 32), [], 0
+    assert min(k.shape[1] for k in cache.keys) == config.sliding_window + 3 < 9
+    for size in (9, 4, 3):
+        out = forward(params, config, tokens[:, start:start + size], jnp.arange(start, start + size)[None], cache,
+                      jnp.full((1,), start, jnp.int32))
+        cache, start = out.cache, start + size
+        pieces.append(out.logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_batch_with_rings_matches_transformers(sliding_hf):
+    """A batch of a long and a short prompt (the prefill block is padded far past the short one's
+    ring): every row's greedy continuation is transformers', and the rings are what was allocated."""
+    _, model, folder = sliding_hf
+    engine = Engine(load_model(str(folder)))
+    prompts = [PROMPT, PROMPT[:5]]
+    result = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    assert result.tokens == [transformers_greedy(model, p, 10) for p in prompts]
+    memory = result.stats["memory"]
+    rings = dataclasses.replace(engine.model.config, kv_ring_step=1)  # autoregressive steps write one token
+    assert memory["target_kv_window_bytes"] == rings.kv_window_bytes() > 0
+    assert memory["target_kv_bytes_per_token"] == rings.kv_bytes_per_token()
+    assert memory["target_kv_bytes"] == 2 * (memory["cache_length"] * rings.kv_bytes_per_token() + rings.kv_window_bytes())

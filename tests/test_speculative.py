@@ -84,7 +84,7 @@ def _exact_marginals(params, prompt, sampling, depth):
 SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)]
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("sampling", [SAMPLINGS[0], pytest.param(SAMPLINGS[1], marks=pytest.mark.slow)])
 def test_sampled_chain_matches_the_exact_target_distribution(target, drafter, sampling):
     prompt = [1, 5, 2]
     exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth=3)
@@ -197,6 +197,7 @@ def test_training_with_a_draft_vocabulary(target, tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
 
 
+@pytest.mark.slow
 def test_multi_step_denoising_stays_exact(target, drafter):
     engine = Engine(target, drafter)
     ar = engine.generate(PROMPTS, 20, ignore_eos=True).tokens

@@ -212,7 +212,8 @@ def _sampled_tree_tokens(target, drafter, sampling, count, new_tokens, tree=Tree
     return np.asarray(result.tokens), result.stats
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
+# The second sampling config (top-k/top-p filters) runs with -m slow; the first keeps the default suite exact.
+@pytest.mark.parametrize("sampling", [SAMPLINGS[0], pytest.param(SAMPLINGS[1], marks=pytest.mark.slow)])
 def test_sampled_tree_matches_the_exact_target_distribution(target, drafter, sampling):
     exact = _exact_marginals(target.params, np.asarray([1, 5, 2]), sampling, depth=3)
     out, stats = _sampled_tree_tokens(target, drafter, sampling, 20_000, 3)
@@ -268,6 +269,7 @@ def test_tree_methods_check_their_inputs(target, drafter):
         Engine(target).generate(PROMPTS, 8, method="tree")
 
 
+@pytest.mark.slow  # the greedy tree with Pallas attention stays in the default suite
 def test_pallas_attention_in_the_model_matches_xla(target):
     """The model with attention="pallas" (the tree kernel, interpreted on CPU) computes the same
     logits as the XLA path: prefill (causal), a decode step, and a tree block over a ragged cache."""

@@ -68,6 +68,9 @@ class DecodeRequestShape:
     """Refinement passes for the +refiner methods; None for the other methods."""
     tree: TreeConfig | None
     """Tree shape and budget for the tree methods; None for the other methods."""
+    step_tokens: int = 1
+    """Most tokens one forward after the prefill writes: 1, the block, or the largest tree. Sliding
+    layers keep a KV ring of window + step_tokens - 1 slots."""
 
 
 class Engine:
@@ -95,6 +98,13 @@ class Engine:
         self.latency_cache = Path(latency_cache) if latency_cache else None
         self.latency_models: dict[str, LatencyModel] = {}
         self._verify_seconds: dict[tuple[int, int, int], float] = {}
+
+    def decode_config(self, shape: DecodeRequestShape):
+        """The target config a request decodes with: sliding layers keep KV rings sized for its steps."""
+        config = self.model.config
+        if config.sliding_window is None:
+            return config
+        return dataclasses.replace(config, kv_ring_step=shape.step_tokens)
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
@@ -144,7 +154,8 @@ class Engine:
             raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
-        # Speculative rows may write one block (or one tree) past their last committed token.
+        # Speculative rows may write one block (or one tree) past their last committed token; that
+        # is also the most tokens one verify step writes, which sizes the sliding layers' KV rings.
         slack = 0
         if method in SPECULATIVE_METHODS:
             slack = self.drafter.config.block_size
@@ -163,6 +174,7 @@ class Engine:
             denoise_steps=denoise_steps if method in SPECULATIVE_METHODS else 1,
             refine=refine if method in REFINED_METHODS else None,
             tree=tree if method in TREE_METHODS else None,
+            step_tokens=max(slack, 1),
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
@@ -174,7 +186,7 @@ class Engine:
         if method in SPECULATIVE_METHODS:
             return self._generate_chain(shape, args)
 
-        statics = dict(config=self.model.config, sampling=sampling, eos_token_ids=shape.eos_token_ids)
+        statics = dict(config=self.decode_config(shape), sampling=sampling, eos_token_ids=shape.eos_token_ids)
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
@@ -211,7 +223,7 @@ class Engine:
             "compile_s": compile_s,
             "wall_s": wall_s,
             "new_tokens": new_tokens,
-            "memory": decode_memory(self.model.config, None, shape.batch, shape.cache_length,
+            "memory": decode_memory(self.decode_config(shape), None, shape.batch, shape.cache_length,
                                     None if shape.streaming else self._compiled[shape]),
         }
         return GenerationResult(rows, stats)
@@ -234,7 +246,7 @@ class Engine:
         refined = shape.refine is not None
         full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
                      self.refiner.params if refined else None)
-        statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
+        statics = dict(target_config=self.decode_config(shape), drafter_config=self.drafter.config, sampling=shape.sampling,
                        max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
                        cache_length=shape.cache_length, denoise_steps=shape.denoise_steps,
                        refiner_config=self.refiner.config if refined else None,
@@ -257,7 +269,7 @@ class Engine:
             stats["refine_s"] = refine_passes * refine_cost
             # Passes are counted per loop iteration (all rows of the batch refine together).
             stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
-        stats["memory"] = decode_memory(self.model.config, self.drafter.config, shape.batch, shape.cache_length,
+        stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, shape.batch, shape.cache_length,
                                         self._compiled[shape])
         return GenerationResult(rows, stats)
 
@@ -268,7 +280,7 @@ class Engine:
         latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
         full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
                      latency.costs(), self.refiner.params if refined else None)
-        statics = dict(target_config=self.model.config, drafter_config=self.drafter.config, sampling=shape.sampling,
+        statics = dict(target_config=self.decode_config(shape), drafter_config=self.drafter.config, sampling=shape.sampling,
                        max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
                        cache_length=shape.cache_length, tree=shape.tree,
                        refiner_config=self.refiner.config if refined else None,
@@ -298,14 +310,14 @@ class Engine:
         if shape.tree.auto and stats["verify_steps"]:
             latency.observe(stats["verify_steps"], counts, wall_s)
             self._save_latency(shape, latency)
-        stats["memory"] = decode_memory(self.model.config, self.drafter.config, shape.batch, shape.cache_length,
+        stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, shape.batch, shape.cache_length,
                                         self._compiled[shape])
         return GenerationResult(rows, stats)
 
     def _latency_key(self, shape: DecodeRequestShape) -> str:
         tree = shape.tree
         sizes = (1,) + tuple(s for s in tree.node_buckets(self.drafter.config.block_size - 1) if s != 1)
-        key = LatencyModel.key(self.model.name, self.model.config, shape.batch, shape.cache_length, sizes)
+        key = LatencyModel.key(self.model.name, self.decode_config(shape), shape.batch, shape.cache_length, sizes)
         drafted = "refined" if shape.refine is not None else "drafter"
         return f"{key}|{drafted}|{tree.shape}|k{tree.top_k}|w{tree.width}"
 
@@ -330,7 +342,7 @@ class Engine:
                          repeats: int = 5) -> LatencyModel:
         from tqdm.auto import tqdm
 
-        tcfg, dcfg = self.model.config, self.drafter.config
+        tcfg, dcfg = self.decode_config(shape), self.drafter.config
         batch, num_draft = shape.batch, dcfg.block_size - 1
         tree_config = shape.tree
         sizes = [1] + [s for s in tree_config.node_buckets(num_draft) if s != 1]
@@ -382,7 +394,7 @@ class Engine:
         if shape in self._phase_costs:
             return self._phase_costs[shape]
         target_params, drafter_params, draft_vocab, _, prompt_lengths, _, refiner_params = full_args
-        tcfg, dcfg = self.model.config, self.drafter.config
+        tcfg, dcfg = self.decode_config(shape), self.drafter.config
         batch, block = shape.batch, dcfg.block_size
         context = empty_context_cache(dcfg, batch, shape.cache_length)
         target_cache = KVCache.zeros(tcfg, batch, shape.cache_length)

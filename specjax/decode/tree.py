@@ -36,7 +36,7 @@ from specjax.decode.context import append_context
 from specjax.decode.speculative import (ChainState, RefinerInputs, commit_tokens,
                                         draft_block_states, start_speculation)
 from specjax.errors import SpecjaxError
-from specjax.models.cache import KVCache, write_rows
+from specjax.models.cache import KVCache, ring_index, write_ring
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
@@ -331,9 +331,10 @@ def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree
     accepted_drafts = jnp.take_along_axis(tree.token, path[:, 1:], axis=1)  # [B, K]
     source_slots = lengths[:, None] + path  # [B, K+1]
 
-    def compact(layer_cache):  # [B, S, Kh, D]
-        moved = jnp.take_along_axis(layer_cache, source_slots[:, :, None, None], axis=1)  # [B, K+1, Kh, D]
-        return write_rows(layer_cache, moved, lengths)
+    def compact(layer_cache):  # [B, S, Kh, D], or a sliding layer's ring [B, R, Kh, D]
+        index = ring_index(source_slots, layer_cache.shape[1])  # [B, K+1]
+        moved = jnp.take_along_axis(layer_cache, index[:, :, None, None], axis=1)  # [B, K+1, Kh, D]
+        return write_ring(layer_cache, moved, lengths)
 
     cache = KVCache(tuple(compact(k) for k in out.cache.keys), tuple(compact(v) for v in out.cache.values))
     path_features = jnp.take_along_axis(out.hidden, path[:, :, None, None], axis=1)  # [B, K+1, taps, d]

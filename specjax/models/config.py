@@ -100,8 +100,16 @@ class TransformerConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer, "full_attention" or "sliding_attention" (HF `layer_types`). Empty: every layer
     slides when sliding_window is set (Mistral), otherwise every layer is full."""
+    kv_ring_step: int | None = None
+    """When set, each sliding layer's KV cache is a ring of sliding_window + kv_ring_step - 1 slots
+    (slot s at index s mod R) instead of one slot per context position, so its memory stays flat as
+    the context grows. It must be at least the number of tokens any forward after the prefill
+    writes at once: 1 for autoregressive decoding, the block or the largest tree for speculative
+    decoding (the Engine sets it per call). None: sliding layers keep every slot."""
 
     def __post_init__(self):
+        if self.kv_ring_step is not None and self.kv_ring_step < 1:
+            raise ValueError(f"kv_ring_step must be a positive number of tokens, got {self.kv_ring_step}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of keys, got {self.sliding_window}")
         if self.layer_types:
@@ -143,6 +151,14 @@ class TransformerConfig:
         scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
         return AttentionScores(scale=scale, softcap=self.attn_logit_softcapping)
 
+    def layer_cache_slots(self, layer: int, max_length: int) -> int:
+        """Cache slots decoder layer `layer` keeps for a context of max_length positions: a ring of
+        window + kv_ring_step - 1 for a sliding layer when kv_ring_step is set, else max_length."""
+        window = self.layer_window(layer)
+        if window is None or self.kv_ring_step is None:
+            return max_length
+        return min(max_length, window + self.kv_ring_step - 1)
+
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(RoPE base, rope scaling) of decoder layer `layer`."""
         if self.local_rope_theta is not None and self.layer_window(layer) is not None:
@@ -158,8 +174,19 @@ class TransformerConfig:
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes of K and V cache one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        """Bytes of K and V cache one more token of context adds across all layers (ring layers add
+        nothing; see kv_window_bytes)."""
+        growing = sum(1 for i in range(self.num_layers)
+                      if self.layer_window(i) is None or self.kv_ring_step is None)
+        return 2 * growing * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_window_bytes(self, bytes_per_element: int = 4) -> int:
+        """Bytes of the sliding layers' KV rings (one row), constant in the context length; 0
+        without rings."""
+        if self.kv_ring_step is None:
+            return 0
+        slots = sum(self.layer_cache_slots(i, 1 << 62) for i in range(self.num_layers) if self.layer_window(i))
+        return 2 * slots * self.num_kv_heads * self.head_dim * bytes_per_element
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json an HF model of this shape would have."""

@@ -71,22 +71,31 @@ def attention_mask(write_index: jax.Array, num_new: int, max_length: int, block_
     return committed | (in_block[:, None, :] & gathered)
 
 
-def key_positions(write_index: jax.Array, positions: jax.Array, max_length: int):
-    """The position of the token in every cache slot, as far as attention can see it. Returns [B, S].
+def ring_slots(write_index: jax.Array, ring: int) -> jax.Array:
+    """The slot each index of a ring of `ring` entries holds before this step's write: the latest
+    slot below write_index[b] that maps to it (negative: never written). Returns [B, R] int32.
 
-    Committed slots (before write_index[b]) hold the token at that position; the T new tokens sit
-    at write_index[b] + t with positions[b, t] (for a tree, start + depth, not the slot). Slots past
-    the new tokens are never visible, so their value does not matter."""
-    slots = jnp.arange(max_length, dtype=jnp.int32)  # [S]
-    rel = slots[None, :] - write_index[:, None]  # [B, S]
-    new = jnp.take_along_axis(positions.astype(jnp.int32), jnp.clip(rel, 0, positions.shape[1] - 1), axis=1)
-    return jnp.where(rel >= 0, new, slots[None, :])
+    With ring >= write_index (a layer with one index per slot) this is the identity below
+    write_index and negative above it, so the same rule serves full-size sliding caches."""
+    index = jnp.arange(ring, dtype=jnp.int32)[None, :]  # [1, R]
+    w = write_index.astype(jnp.int32)[:, None]  # [B, 1]
+    return w - ring + (index - w) % ring
 
 
-def sliding_window_mask(mask: jax.Array, query_positions: jax.Array, slot_positions: jax.Array, window: int):
-    """Restrict an attention mask [B, T, S] to keys within the window: key position j is visible from
-    query position p iff p - window < j (HF's sliding_window semantics; causality comes from mask)."""
-    return mask & (slot_positions[:, None, :] > query_positions[:, :, None] - window)
+def sliding_masks(write_index, positions, block_mask, window: int, ring: int):
+    """What the new tokens of a sliding layer see, as two masks: (committed [B, T, R] over the ring
+    as it was before this step's write, own [B, T, T] among the new tokens).
+
+    Committed tokens sit at slot == position, so key slot s is visible from query position p iff
+    p - window < s (HF's sliding_window semantics). Among the new tokens the rule is the block mask
+    (causal when None), windowed by position: tree nodes sit at slot != position."""
+    slots = ring_slots(write_index, ring)  # [B, R]
+    committed = (slots >= 0)[:, None, :] & (slots[:, None, :] > positions[:, :, None] - window)  # [B, T, R]
+    num_new = positions.shape[1]
+    if block_mask is None:
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (positions.shape[0], num_new, num_new))
+    own = block_mask & (positions[:, None, :] > positions[:, :, None] - window)  # [B, T, T] query x key
+    return committed, own
 
 
 def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):

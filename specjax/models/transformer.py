@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from specjax.models.cache import KVCache, write_rows
+from specjax.models.cache import KVCache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, key_positions,
-                                   rope_tables, sliding_window_mask)
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, rope_tables,
+                                   sliding_masks)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
@@ -30,10 +30,12 @@ class Attention(nn.Module):
     """This layer's sliding window (None: full attention)."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions):
-        """mask: [B, T, S] for the XLA path (already windowed for a sliding layer); block_mask: [B, T, T]
-        among the new tokens (causal when None), the structured form the kernels take instead of a
-        dense mask; positions: [B, T] the new tokens' positions (a sliding layer's window is in positions)."""
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions, valid_lengths=None):
+        """mask: for a full layer, [B, T, S] over the cache after this step's write (XLA path); for a
+        sliding layer, the pair (committed [B, T, R], own [B, T, T]) of `sliding_masks`.
+        block_mask: [B, T, T] among the new tokens (causal when None), the structured form the
+        kernels take instead of a dense mask; positions: [B, T] the new tokens' positions;
+        valid_lengths: [B] new tokens per row worth keeping in a ring (default all)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         batch, num_new, _ = x.shape
@@ -45,37 +47,53 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
-        cached_k = write_rows(cached_k, k, write_index)  # [B, S, K, D]
-        cached_v = write_rows(cached_v, v, write_index)
         scores = cfg.attention_scores()
-        if cfg.attention == "pallas":
-            if block_mask is None:
-                block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
-            if self.window is None:
+        if self.window is not None:
+            out = self._sliding(q, k, v, cached_k, cached_v, write_index, mask, positions)
+            # Written after reading: the ring may hold fewer slots than the new tokens reach back.
+            cached_k = write_ring(cached_k, k, write_index, valid_lengths)  # [B, R, K, D]
+            cached_v = write_ring(cached_v, v, write_index, valid_lengths)
+        else:
+            cached_k = write_rows(cached_k, k, write_index)  # [B, S, K, D]
+            cached_v = write_rows(cached_v, v, write_index)
+            if cfg.attention == "pallas":
+                if block_mask is None:
+                    block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
                 # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
                 out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
                                         implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
-                out = self._sliding_pallas(q, k, v, cached_k, cached_v, write_index, block_mask, positions)
-        else:
-            out = grouped_query_attention(q, cached_k, cached_v, mask, scores)  # [B, T, H, D]
+                out = grouped_query_attention(q, cached_k, cached_v, mask, scores)  # [B, T, H, D]
         out = nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype, name="o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
         return out, cached_k, cached_v
 
-    def _sliding_pallas(self, q, k, v, cached_k, cached_v, write_index, block_mask, positions):
-        """A sliding layer through the windowed-attention kernel: the committed prefix (slot ==
-        position) as one key range per query, [p - W + 1, write_index), and the new tokens under
-        their block mask and the window, merged by log-sum-exp. [B, T, H, D]"""
-        window, scores = self.window, self.config.attention_scores()
-        starts = jnp.maximum(positions - window + 1, 0)  # [B, T]
-        ends = jnp.broadcast_to(write_index[:, None], starts.shape)  # [B, T]
-        prefix = window_attention_op(q, cached_k, cached_v, starts, ends, implementation="pallas", scores=scores)
-        near = positions[:, None, :] > positions[:, :, None] - window  # [B, T, T] query x key
-        own = masked_attention(q, k, v, block_mask & near, scores)
-        out, _ = merge_attention([prefix, own])
-        return out
+    def _sliding(self, q, k, v, cached_k, cached_v, write_index, masks, positions):
+        """A sliding layer: the committed tokens in the cache (a ring of R slots, read before this
+        step's write) and the new tokens' own K/V under their block mask, each windowed, merged by
+        log-sum-exp. [B, T, H, D]
+
+        On the Pallas path the committed part goes through the windowed-attention kernel: a query at
+        position p sees slots [max(p - W + 1, write_index - R), write_index), which in the ring are
+        at most two contiguous index ranges (the second when the range wraps past index R - 1)."""
+        committed_mask, own_mask = masks
+        scores = self.config.attention_scores()
+        own = masked_attention(q, k, v, own_mask, scores)
+        if self.config.attention != "pallas":
+            return merge_attention([masked_attention(q, cached_k, cached_v, committed_mask, scores), own])[0]
+        ring = cached_k.shape[1]
+        w = write_index.astype(jnp.int32)[:, None]  # [B, 1]
+        lowest = jnp.maximum(jnp.maximum(positions - self.window + 1, 0), w - ring)  # [B, T] first visible slot
+        count = jnp.maximum(w - lowest, 0)  # [B, T]
+        first = ring_index(lowest, ring)  # [B, T]
+        wrapped = jnp.maximum(first + count - ring, 0)  # [B, T] indices 0 .. wrapped-1 continue the range
+        parts = [window_attention_op(q, cached_k, cached_v, first, first + count - wrapped, implementation="pallas",
+                                     scores=scores),
+                 window_attention_op(q, cached_k, cached_v, jnp.zeros_like(first), wrapped, implementation="pallas",
+                                     scores=scores),
+                 own]
+        return merge_attention(parts)[0]
 
 
 class DecoderLayer(nn.Module):
@@ -84,12 +102,14 @@ class DecoderLayer(nn.Module):
     """This layer's sliding window (None: full attention)."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None, positions=None):
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None, positions=None,
+                 valid_lengths=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name=name)
         attn_out, cached_k, cached_v = Attention(cfg, self.window, name="self_attn")(
-            norm("input_layernorm")(x), cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions
+            norm("input_layernorm")(x), cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions,
+            valid_lengths
         )
         mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act, name="mlp")
         if cfg.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm normalises the attention output
@@ -141,7 +161,7 @@ class Transformer(nn.Module):
         return softcap_logits(logits.astype(jnp.float32), self.config.final_logit_softcapping)
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
-                 hidden_layers: Sequence[int] = (), logit_positions=None):
+                 hidden_layers: Sequence[int] = (), logit_positions=None, valid_lengths=None):
         cfg = self.config
         x = self.embed(tokens)  # [B, T, d]
         # One (cos, sin) pair per distinct RoPE base: Gemma 3's sliding layers use their own.
@@ -149,16 +169,24 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             if cfg.layer_rope(i) not in rope:
                 rope[cfg.layer_rope(i)] = rope_tables(cfg, positions, i)  # [B, T, D/2] each
-        mask = attention_mask(write_index, tokens.shape[1], cache.max_length, block_mask)  # [B, T, S]
-        windowed_masks = {}  # one mask per distinct window, shared by the layers that slide by it
-        for window in {self.config.layer_window(i) for i in range(self.config.num_layers)} - {None}:
-            slot_positions = key_positions(write_index, positions, cache.max_length)  # [B, S]
-            windowed_masks[window] = sliding_window_mask(mask, positions, slot_positions, window)  # [B, T, S]
+        full_mask = None  # [B, T, S] for the full layers, shared
+        if any(cfg.layer_window(i) is None for i in range(cfg.num_layers)) and cfg.attention != "pallas":
+            full_length = max(cache.keys[i].shape[1] for i in range(cfg.num_layers) if cfg.layer_window(i) is None)
+            full_mask = attention_mask(write_index, tokens.shape[1], full_length, block_mask)
+        sliding = {}  # (window, ring slots) -> (committed [B, T, R], own [B, T, T]), shared by such layers
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
-            layer_mask = windowed_masks.get(self.config.layer_window(i), mask)
+            window = cfg.layer_window(i)
+            if window is None:
+                layer_mask = full_mask
+            else:
+                ring = cache.keys[i].shape[1]
+                if (window, ring) not in sliding:
+                    sliding[window, ring] = sliding_masks(write_index, positions, block_mask, window, ring)
+                layer_mask = sliding[window, ring]
             cos, sin = rope[cfg.layer_rope(i)]
-            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, layer_mask, block_mask, positions)
+            x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, layer_mask, block_mask, positions,
+                            valid_lengths)
             keys.append(k)
             values.append(v)
             if i in hidden_layers:
@@ -177,7 +205,8 @@ def init_params(config: TransformerConfig, rng: jax.Array):
 
 
 def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache, write_index,
-            block_mask=None, hidden_layers: Sequence[int] = (), logit_positions=None) -> ForwardOutput:
+            block_mask=None, hidden_layers: Sequence[int] = (), logit_positions=None,
+            valid_lengths=None) -> ForwardOutput:
     """Run T new tokens through the model at any cache position.
 
     tokens, positions: [B, T] int32 (RoPE positions; need not equal cache slots).
@@ -187,13 +216,16 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
     block_mask: optional [B, T, T] bool, query x key among the new tokens (default: causal).
     hidden_layers: static decoder-layer indices whose outputs to return (layer i = HF hidden_states[i+1]).
     logit_positions: optional [B, N] int32 indices into T; logits are computed only there.
+    valid_lengths: optional [B] int32, how many of the T new tokens of each row are real (a
+      right-padded prefill); rings of sliding layers then keep each row's last real tokens.
     """
     hidden_layers = tuple(hidden_layers)
     for i in hidden_layers:
         if not 0 <= i < config.num_layers:
             raise ValueError(f"hidden layer {i} is outside the model's {config.num_layers} layers")
     return Transformer(config).apply(
-        {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions
+        {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions,
+        valid_lengths
     )
 
 

@@ -3,7 +3,8 @@
 Every generate call reports `stats["memory"]` (see `decode_memory`):
 - target_kv_bytes: the target's KV cache as allocated for the call (batch x cache slots), and
   target_kv_bytes_per_token: what one token of one row adds (all per-token and per-window figures
-  are for one row).
+  are for one row). Sliding layers decode with KV rings (TransformerConfig.kv_ring_step): their
+  constant part is target_kv_window_bytes, and they add nothing per token.
 - drafter_state_bytes: the drafter's context state. With full attention it grows by
   drafter_bytes_per_token per token; windowed it is a fixed ring of drafter_window_bytes plus
   summaries that grow by drafter_summary_bytes_per_segment per finished segment.
@@ -78,7 +79,8 @@ def decode_memory(target_config: TransformerConfig, drafter_config, batch: int, 
     layer_bytes = jax.numpy.dtype(target_config.dtype).itemsize
     out = {"cache_length": cache_length,
            "target_kv_bytes": target_kv_bytes(target_config, batch, cache_length),
-           "target_kv_bytes_per_token": target_config.kv_bytes_per_token(layer_bytes)}
+           "target_kv_bytes_per_token": target_config.kv_bytes_per_token(layer_bytes),
+           "target_kv_window_bytes": target_config.kv_window_bytes(layer_bytes)}
     if drafter_config is not None:
         out.update(drafter_state_breakdown(drafter_config, batch, cache_length))
     out["peak_bytes"], out["peak_source"] = measured_peak_bytes(compiled)
@@ -149,8 +151,11 @@ def memory_report(target_config: TransformerConfig, target_params, drafter_confi
               "peak_bytes": {"full": [], "windowed": []}, "batch": batch,
               "window": dataclasses.asdict(window), "peak_source": None,
               "weights_bytes": {"full": None, "windowed": None}}
+    # As chain decoding allocates it: sliding layers (if any) keep rings sized for one block.
+    decode_target = (target_config if target_config.sliding_window is None
+                     else dataclasses.replace(target_config, kv_ring_step=drafter_config.block_size))
     for n in tqdm(contexts, desc="contexts", disable=not progress):
-        report["target_kv_bytes"].append(target_kv_bytes(target_config, batch, n))
+        report["target_kv_bytes"].append(target_kv_bytes(decode_target, batch, n))
         for name, config, params in (("full", full, full_params), ("windowed", windowed, drafter_params)):
             report["drafter_kv_bytes"][name].append(context_state_bytes(config, batch, n))
             peak, source, weights = drafting_step_peak(target_params, target_config, params, config, n, batch)
