@@ -100,12 +100,19 @@ def test_greedy_generation_identical_to_transformers(gemma_hf):
 
 
 def test_save_round_trip(gemma_hf, tmp_path):
-    _, _, folder = gemma_hf
+    """specjax reloads what it saved unchanged, and transformers loads it as the same model."""
+    from transformers import AutoModelForCausalLM
+
+    _, model, folder = gemma_hf
     config, params = load_hf_model(folder)
     save_hf_model(tmp_path, config, params)
     again, again_params = load_hf_model(tmp_path)
     assert again == config
     np.testing.assert_array_equal(_logits(again_params, again), _logits(params, config))
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(torch.tensor([PROMPT])).logits[0].numpy()
+        original = model(torch.tensor([PROMPT])).logits[0].numpy()
+    np.testing.assert_allclose(reloaded, original, atol=1e-5, rtol=1e-5)
 
 
 def test_config_variants():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specjax.decode.engine import Engine
+from specjax.decode.tree import TreeConfig
 from specjax.errors import SpecjaxError
 from specjax.io.hf import config_from_hf, load_hf_model, save_hf_model
 from specjax.io.registry import LoadedModel, load_model
@@ -93,11 +94,11 @@ def test_config_variants():
         config_from_hf(dict(base, architectures=["Phi3ForCausalLM"]))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, method):
     """The shared tiny target made to slide (window 6 in layer 1): chain and tree decoding give its
-    greedy output exactly. Tree nodes sit at slot != position, which the window must respect."""
+    greedy output exactly. Tree nodes sit at slot != position, which the window must respect, and
+    the sliding layer decodes with a KV ring that rejected drafts wrap around."""
     sliding = dataclasses.replace(target.config, sliding_window=6, layer_types=("full_attention", "sliding_attention"))
     model = LoadedModel("tiny-sliding", sliding, target.params, None, (3,))
     engine = Engine(model, drafter)
@@ -105,7 +106,11 @@ def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, meth
     reference = engine.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens
     plain = Engine(LoadedModel("tiny", target.config, target.params, None, (3,)), drafter)
     assert plain.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens != reference
-    assert engine.generate(prompts, max_new_tokens=24, method=method, ignore_eos=True).tokens == reference
+    # A fixed tree budget keeps the ring (window + largest tree - 1) shorter than the context.
+    result = engine.generate(prompts, max_new_tokens=24, method=method, ignore_eos=True, tree=TreeConfig(budget=6))
+    assert result.tokens == reference
+    ring = result.stats["memory"]["target_kv_window_bytes"] // (2 * sliding.num_kv_heads * sliding.head_dim * 4)
+    assert ring < len(prompts[0]) + 24  # the sliding layer's ring wrapped
 
 
 # ---- KV rings: a sliding layer keeps window + step - 1 slots instead of one per position ----
@@ -128,16 +133,21 @@ def test_ring_write_keeps_each_rows_last_real_tokens():
 def test_ring_sizes_and_memory_accounting():
     config = dataclasses.replace(config_from_hf(dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, intermediate_size=8, use_sliding_window=True, sliding_window=64,
+        num_key_value_heads=1, head_dim=4, intermediate_size=8, use_sliding_window=True, sliding_window=40,
         layer_types=["sliding_attention", "full_attention"] * 2)), kv_ring_step=16)
     cache = KVCache.zeros(config, 1, 4096)
-    assert [k.shape[1] for k in cache.keys] == [79, 4096, 79, 4096]
+    assert [k.shape[1] for k in cache.keys] == [55, 4096, 55, 4096]  # window + step - 1
     assert KVCache.zeros(config, 1, 50).keys[0].shape[1] == 50  # never more slots than positions
     per_slot = 2 * 1 * 4 * 4  # K and V, one kv head of 4 floats
     assert config.kv_bytes_per_token() == 2 * per_slot  # only the two full layers grow
-    assert config.kv_window_bytes() == 2 * 79 * per_slot
+    assert config.kv_window_bytes(4096) == 2 * 55 * per_slot and config.kv_window_bytes(50) == 2 * 50 * per_slot
     full = dataclasses.replace(config, kv_ring_step=None)
-    assert full.kv_bytes_per_token() == 4 * per_slot and full.kv_window_bytes() == 0
+    assert full.kv_bytes_per_token() == 4 * per_slot and full.kv_window_bytes(4096) == 0
+    # Rings longer than 64 slots are rounded up to a multiple of 64 (the kernels' key block).
+    wide = dataclasses.replace(config, sliding_window=100)
+    assert KVCache.zeros(wide, 1, 4096).keys[0].shape[1] == 128
+    with pytest.raises(ValueError, match="kv_ring_step >= 32"):
+        config.check_ring_step(32, "a tree of 32 nodes")
 
 
 @pytest.mark.parametrize("attention", ["xla", "pallas"])
@@ -172,6 +182,7 @@ def test_ragged_batch_with_rings_matches_transformers(sliding_hf):
     assert result.tokens == [transformers_greedy(model, p, 10) for p in prompts]
     memory = result.stats["memory"]
     rings = dataclasses.replace(engine.model.config, kv_ring_step=1)  # autoregressive steps write one token
-    assert memory["target_kv_window_bytes"] == rings.kv_window_bytes() > 0
+    cache_length = memory["cache_length"]
+    assert memory["target_kv_window_bytes"] == rings.kv_window_bytes(cache_length) > 0
     assert memory["target_kv_bytes_per_token"] == rings.kv_bytes_per_token()
-    assert memory["target_kv_bytes"] == 2 * (memory["cache_length"] * rings.kv_bytes_per_token() + rings.kv_window_bytes())
+    assert memory["target_kv_bytes"] == 2 * (cache_length * rings.kv_bytes_per_token() + rings.kv_window_bytes(cache_length))

@@ -45,7 +45,8 @@ def prefill(params, config: TransformerConfig, prompt_tokens, prompt_lengths, ca
     cache = KVCache.zeros(config, batch, cache_length)
     positions = jnp.broadcast_to(jnp.arange(num_prompt, dtype=jnp.int32), (batch, num_prompt))  # [B, T]
     out = forward(params, config, prompt_tokens, positions, cache, jnp.zeros((batch,), jnp.int32),
-                  hidden_layers=hidden_layers, logit_positions=(prompt_lengths - 1)[:, None], valid_lengths=prompt_lengths)
+                  hidden_layers=hidden_layers, logit_positions=(prompt_lengths - 1)[:, None], valid_lengths=prompt_lengths,
+                  empty_cache=True)
     return out.logits[:, 0], out.cache, out.hidden
 
 

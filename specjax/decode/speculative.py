@@ -230,6 +230,7 @@ def generate_chain(target_params, drafter_params, draft_vocab, prompt_tokens, pr
         raise SpecjaxError("the refiner works on single-pass drafts; use denoise_steps=1 with it")
     batch = prompt_tokens.shape[0]
     block = drafter_config.block_size
+    target_config.check_ring_step(block, "chain verification")
     taps = drafter_config.target_layer_ids
     eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
     rng, first_rng = jax.random.split(rng)

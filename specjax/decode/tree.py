@@ -365,6 +365,7 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
     num_draft = block - 1
     buckets = tree.node_buckets(num_draft)
     max_nodes = buckets[-1]
+    target_config.check_ring_step(max(max_nodes, block), "tree verification")
     taps = drafter_config.target_layer_ids
     eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
     rng, first_rng = jax.random.split(rng)

@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCa
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+RING_ALIGNMENT = 64  # sliding-layer KV rings longer than this are rounded up to a multiple of it
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
                "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 
@@ -102,7 +103,8 @@ class TransformerConfig:
     slides when sliding_window is set (Mistral), otherwise every layer is full."""
     kv_ring_step: int | None = None
     """When set, each sliding layer's KV cache is a ring of sliding_window + kv_ring_step - 1 slots
-    (slot s at index s mod R) instead of one slot per context position, so its memory stays flat as
+    (slot s at index s mod R; rounded up to a multiple of 64 when longer than 64) instead of one
+    slot per context position, so its memory stays flat as
     the context grows. It must be at least the number of tokens any forward after the prefill
     writes at once: 1 for autoregressive decoding, the block or the largest tree for speculative
     decoding (the Engine sets it per call). None: sliding layers keep every slot."""
@@ -157,7 +159,10 @@ class TransformerConfig:
         window = self.layer_window(layer)
         if window is None or self.kv_ring_step is None:
             return max_length
-        return min(max_length, window + self.kv_ring_step - 1)
+        slots = window + self.kv_ring_step - 1  # the least that is safe; any larger ring is too
+        if slots > RING_ALIGNMENT:  # a multiple of the kernels' key block spares them a padded copy
+            slots = -(-slots // RING_ALIGNMENT) * RING_ALIGNMENT
+        return min(max_length, slots)
 
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(RoPE base, rope scaling) of decoder layer `layer`."""
@@ -174,19 +179,26 @@ class TransformerConfig:
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
-        """Bytes of K and V cache one more token of context adds across all layers (ring layers add
-        nothing; see kv_window_bytes)."""
+        """Bytes of K and V cache one more token of context adds across all layers, once the context
+        is longer than the rings (ring layers then add nothing; see kv_window_bytes)."""
         growing = sum(1 for i in range(self.num_layers)
                       if self.layer_window(i) is None or self.kv_ring_step is None)
         return 2 * growing * self.num_kv_heads * self.head_dim * bytes_per_element
 
-    def kv_window_bytes(self, bytes_per_element: int = 4) -> int:
-        """Bytes of the sliding layers' KV rings (one row), constant in the context length; 0
-        without rings."""
+    def kv_window_bytes(self, max_length: int, bytes_per_element: int = 4) -> int:
+        """Bytes of the sliding layers' KV rings (one row) for a context of max_length positions:
+        constant once max_length exceeds the rings; 0 without rings."""
         if self.kv_ring_step is None:
             return 0
-        slots = sum(self.layer_cache_slots(i, 1 << 62) for i in range(self.num_layers) if self.layer_window(i))
+        slots = sum(self.layer_cache_slots(i, max_length) for i in range(self.num_layers) if self.layer_window(i))
         return 2 * slots * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def check_ring_step(self, step_tokens: int, what: str) -> None:
+        """Refuse rings too small for steps that write step_tokens tokens at once (stale entries
+        would become visible)."""
+        if self.kv_ring_step is not None and self.sliding_window is not None and self.kv_ring_step < step_tokens:
+            raise ValueError(f"kv_ring_step={self.kv_ring_step} is smaller than the {step_tokens} tokens {what} "
+                             f"writes per step; sliding layers' rings need kv_ring_step >= {step_tokens}")
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json an HF model of this shape would have."""
@@ -210,7 +222,9 @@ class TransformerConfig:
         if self.architecture in GEMMA_ARCHITECTURES:
             out["hidden_activation"] = self.hidden_act
             if self.architecture != "GemmaForCausalLM":
-                out["query_pre_attn_scalar"] = self.query_pre_attn_scalar or self.head_dim
+                scalar = self.query_pre_attn_scalar or self.head_dim
+                # transformers 5 checks types: its config class declares an int.
+                out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
                 out["attn_logit_softcapping"] = self.attn_logit_softcapping
                 out["final_logit_softcapping"] = self.final_logit_softcapping
                 out["sliding_window"] = self.sliding_window
@@ -227,7 +241,13 @@ class TransformerConfig:
                 out["layer_types"] = [
                     "sliding_attention" if self.layer_window(i) else "full_attention" for i in range(self.num_layers)]
                 out["max_window_layers"] = 0
-        if self.local_rope_theta is not None:
+        if self.architecture == "Gemma3ForCausalLM":
+            # Gemma 3 always gives sliding layers their own base (10000 when absent) and no scaling.
+            if self.local_rope_theta is None and self.rope_scaling is not None:
+                raise ValueError("a Gemma 3 config without local_rope_theta but with rope_scaling (on every layer) "
+                                 "cannot be written as an HF config")
+            out["rope_local_base_freq"] = self.local_rope_theta or self.rope_theta
+        elif self.local_rope_theta is not None:
             out["rope_local_base_freq"] = self.local_rope_theta
         if self.rope_scaling is not None:
             rs = self.rope_scaling

@@ -30,12 +30,14 @@ class Attention(nn.Module):
     """This layer's sliding window (None: full attention)."""
 
     @nn.compact
-    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions, valid_lengths=None):
+    def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions, valid_lengths=None,
+                 empty_cache: bool = False):
         """mask: for a full layer, [B, T, S] over the cache after this step's write (XLA path); for a
         sliding layer, the pair (committed [B, T, R], own [B, T, T]) of `sliding_masks`.
         block_mask: [B, T, T] among the new tokens (causal when None), the structured form the
         kernels take instead of a dense mask; positions: [B, T] the new tokens' positions;
-        valid_lengths: [B] new tokens per row worth keeping in a ring (default all)."""
+        valid_lengths: [B] new tokens per row worth keeping in a ring (default all); empty_cache:
+        the cache holds nothing yet, so a sliding layer attends to the new tokens alone."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         batch, num_new, _ = x.shape
@@ -49,7 +51,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
         scores = cfg.attention_scores()
         if self.window is not None:
-            out = self._sliding(q, k, v, cached_k, cached_v, write_index, mask, positions)
+            out = self._sliding(q, k, v, cached_k, cached_v, write_index, mask, positions, empty_cache)
             # Written after reading: the ring may hold fewer slots than the new tokens reach back.
             cached_k = write_ring(cached_k, k, write_index, valid_lengths)  # [B, R, K, D]
             cached_v = write_ring(cached_v, v, write_index, valid_lengths)
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         )
         return out, cached_k, cached_v
 
-    def _sliding(self, q, k, v, cached_k, cached_v, write_index, masks, positions):
+    def _sliding(self, q, k, v, cached_k, cached_v, write_index, masks, positions, empty_cache):
         """A sliding layer: the committed tokens in the cache (a ring of R slots, read before this
         step's write) and the new tokens' own K/V under their block mask, each windowed, merged by
         log-sum-exp. [B, T, H, D]
@@ -80,6 +82,8 @@ class Attention(nn.Module):
         committed_mask, own_mask = masks
         scores = self.config.attention_scores()
         own = masked_attention(q, k, v, own_mask, scores)
+        if empty_cache:  # a prefill or a training forward: nothing committed to attend to
+            return own[0]
         if self.config.attention != "pallas":
             return merge_attention([masked_attention(q, cached_k, cached_v, committed_mask, scores), own])[0]
         ring = cached_k.shape[1]
@@ -103,13 +107,13 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask=None, positions=None,
-                 valid_lengths=None):
+                 valid_lengths=None, empty_cache: bool = False):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name=name)
         attn_out, cached_k, cached_v = Attention(cfg, self.window, name="self_attn")(
             norm("input_layernorm")(x), cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions,
-            valid_lengths
+            valid_lengths, empty_cache
         )
         mlp = SwiGLU(cfg.intermediate_size, cfg.mlp_bias, dtype, cfg.hidden_act, name="mlp")
         if cfg.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm normalises the attention output
@@ -161,7 +165,8 @@ class Transformer(nn.Module):
         return softcap_logits(logits.astype(jnp.float32), self.config.final_logit_softcapping)
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
-                 hidden_layers: Sequence[int] = (), logit_positions=None, valid_lengths=None):
+                 hidden_layers: Sequence[int] = (), logit_positions=None, valid_lengths=None,
+                 empty_cache: bool = False):
         cfg = self.config
         x = self.embed(tokens)  # [B, T, d]
         # One (cos, sin) pair per distinct RoPE base: Gemma 3's sliding layers use their own.
@@ -186,7 +191,7 @@ class Transformer(nn.Module):
                 layer_mask = sliding[window, ring]
             cos, sin = rope[cfg.layer_rope(i)]
             x, k, v = layer(x, cos, sin, cache.keys[i], cache.values[i], write_index, layer_mask, block_mask, positions,
-                            valid_lengths)
+                            valid_lengths, empty_cache)
             keys.append(k)
             values.append(v)
             if i in hidden_layers:
@@ -206,7 +211,7 @@ def init_params(config: TransformerConfig, rng: jax.Array):
 
 def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache, write_index,
             block_mask=None, hidden_layers: Sequence[int] = (), logit_positions=None,
-            valid_lengths=None) -> ForwardOutput:
+            valid_lengths=None, empty_cache: bool = False) -> ForwardOutput:
     """Run T new tokens through the model at any cache position.
 
     tokens, positions: [B, T] int32 (RoPE positions; need not equal cache slots).
@@ -218,6 +223,8 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
     logit_positions: optional [B, N] int32 indices into T; logits are computed only there.
     valid_lengths: optional [B] int32, how many of the T new tokens of each row are real (a
       right-padded prefill); rings of sliding layers then keep each row's last real tokens.
+    empty_cache: static; the caller promises the cache holds nothing yet (a prefill at write_index
+      0, a training forward), so sliding layers skip attending to it.
     """
     hidden_layers = tuple(hidden_layers)
     for i in hidden_layers:
@@ -225,7 +232,7 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
             raise ValueError(f"hidden layer {i} is outside the model's {config.num_layers} layers")
     return Transformer(config).apply(
         {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions,
-        valid_lengths
+        valid_lengths, empty_cache
     )
 
 
@@ -247,7 +254,9 @@ def softcap_logits(logits, softcap: float | None):
 
 def apply_head(normed_hidden, head):
     """Logits of final-normalised states [..., d] through a head matrix [d, V'] (see head_matrix),
-    accumulated in float32: [..., V']."""
+    accumulated in float32: [..., V']. The drafters' head: unlike the target's (`lm_head`), it has
+    no final soft cap (Gemma 2). The cap is monotonic, so greedy drafts are the same, and sampled
+    drafts stay exact because verification uses the drafter's own distribution."""
     return jnp.einsum("...d,dV->...V", normed_hidden, head.astype(normed_hidden.dtype),
                       preferred_element_type=jnp.float32)
 

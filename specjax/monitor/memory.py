@@ -80,7 +80,7 @@ def decode_memory(target_config: TransformerConfig, drafter_config, batch: int, 
     out = {"cache_length": cache_length,
            "target_kv_bytes": target_kv_bytes(target_config, batch, cache_length),
            "target_kv_bytes_per_token": target_config.kv_bytes_per_token(layer_bytes),
-           "target_kv_window_bytes": target_config.kv_window_bytes(layer_bytes)}
+           "target_kv_window_bytes": target_config.kv_window_bytes(cache_length, layer_bytes)}
     if drafter_config is not None:
         out.update(drafter_state_breakdown(drafter_config, batch, cache_length))
     out["peak_bytes"], out["peak_source"] = measured_peak_bytes(compiled)

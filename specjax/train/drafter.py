@@ -120,7 +120,7 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         cache = KVCache.zeros(target_config, b, seq_len)
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), batch.shape)
         out = forward(target_params, target_config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
-                      hidden_layers=target_layer_ids)
+                      hidden_layers=target_layer_ids, empty_cache=True)
         return out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
 
     for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):

@@ -91,7 +91,8 @@ def next_token_loss(params, config: TransformerConfig, batch: jax.Array) -> jax.
     batch_size, seq_len = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), inputs.shape)
     cache = KVCache.zeros(config, batch_size, seq_len)
-    logits = forward(params, config, inputs, positions, cache, jnp.zeros((batch_size,), jnp.int32)).logits
+    logits = forward(params, config, inputs, positions, cache, jnp.zeros((batch_size,), jnp.int32),
+                     empty_cache=True).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
