@@ -16,7 +16,6 @@ import json
 import pathlib
 import sys
 
-import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -47,7 +46,7 @@ def main(argv=None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     report = {"contexts": contexts, "step": args.step, "dtype": "bfloat16", "models": {}}
     mib = lambda n: n / 2**20  # noqa: E731
-    print(f"| model | sliding layers | window | " + " | ".join(f"{n} full / ring (MiB)" for n in contexts) + " |")
+    print("| model | sliding layers | window | " + " | ".join(f"{n} full / ring (MiB)" for n in contexts) + " |")
     print("|---|---|---|" + "---|" * len(contexts))
     for name, hf in MODELS.items():
         config = dataclasses.replace(config_from_hf(hf, name), dtype="bfloat16")
