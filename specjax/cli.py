@@ -165,7 +165,17 @@ def cmd_memory(args) -> int:
     if max(contexts) > model.config.max_position_embeddings:
         print(f"specjax: note: {max(contexts)} tokens exceed {model.name}'s max_position_embeddings "
               f"{model.config.max_position_embeddings}; sizes are still exact", file=sys.stderr)
-    drafter = resolve_drafter(args.drafter, args.model)
+    if args.drafter == "untrained":  # shapes only, for targets nobody has trained a drafter for yet
+        from specjax.io.dflash import LoadedDrafter
+        from specjax.models.drafter import DrafterConfig, init_drafter_params
+
+        config = DrafterConfig.for_target(model.config)
+        drafter = LoadedDrafter("untrained", config, init_drafter_params(config, __import__("jax").random.key(0)),
+                                model.config.num_layers)
+        if args.compressor == "default":
+            args.compressor = "none"
+    else:
+        drafter = resolve_drafter(args.drafter, args.model)
     check_pair(drafter, model.config)
     params = drafter.params
     if args.compressor == "none":  # shapes only: an untrained compressor has the same size
@@ -493,7 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="KV and drafter-state bytes against context length, full against windowed "
                                         "drafter attention, with measured peaks")
     mem.add_argument("--model", default=DEFAULT_MODEL)
-    mem.add_argument("--drafter", default="default")
+    mem.add_argument("--drafter", default="default",
+                     help="default, a DFlash-format folder, or 'untrained' (a 1-layer, 16-slot drafter shaped for "
+                          "the model with random weights: for a model without a drafter; sizes are the same)")
     mem.add_argument("--compressor", default="default",
                      help="windowed variant's compressor: default, a folder, or 'none' (untrained; sizes are the same)")
     mem.add_argument("--contexts", default="1024,2048,4096,8192", help="comma-separated context lengths")

@@ -256,3 +256,19 @@ def test_memory_command(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys
     assert main(args + ["--plot", str(plot)]) == 0
     assert "| 512 |" in capsys.readouterr().out and plot.stat().st_size > 0
     assert main(args[:-1] + ["64,x"]) == 2
+
+
+def test_memory_command_on_a_sliding_target_without_a_drafter(capsys, tmp_path):
+    """A Gemma 2 target nobody trained a drafter for: `--drafter untrained` gives the sizes, and
+    the sliding layer's KV ring stops its share of the target cache from growing."""
+    from conftest import build_tiny_hf
+
+    build_tiny_hf("gemma2").save_pretrained(tmp_path / "gemma2")
+    assert main(["memory", "--model", str(tmp_path / "gemma2"), "--drafter", "untrained", "--contexts", "128,256",
+                 "--window", "32", "--segment", "16", "--json"]) == 0
+    report = _last_json(capsys)
+    small, large = report["target_kv_bytes"]
+    slot = 2 * 2 * 16 * 4  # K and V of one position in one layer: 2 kv heads of 16 floats
+    # Two layers: a full one (one slot per position) and a sliding one (window 4, ring 4 + 16 - 1).
+    assert (small, large) == ((128 + 19) * slot, (256 + 19) * slot)
+    assert report["drafter_kv_bytes"]["windowed"][1] < report["drafter_kv_bytes"]["full"][1]
