@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model = load_model("smollm2")
     sliding = dataclasses.replace(model.config, sliding_window=args.window, max_position_embeddings=1 << 20)
-    variants = {"one slot per position": sliding, "rings": dataclasses.replace(sliding, kv_ring_step=1)}
+    variants = {"one slot per position": sliding, "rings": sliding.with_kv_rings(1)}
     rng = np.random.default_rng(0)
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
         row["same tokens"] = outputs["rings"] == outputs["one slot per position"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n| context | ms/token, one slot per position | ms/token, rings | speedup | KV MiB, one slot per position "
-          f"| KV MiB, rings | same tokens |\n|---|---|---|---|---|---|---|")
+    print("\n| context | ms/token, one slot per position | ms/token, rings | speedup | KV MiB, one slot per position "
+          "| KV MiB, rings | same tokens |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['one slot per position ms/token']:.1f} | {r['rings ms/token']:.1f} | "
               f"{r['speedup']:.2f}x | {r['one slot per position KV MiB']:.0f} | {r['rings KV MiB']:.1f} | "

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     print("|---|---|---|" + "---|" * len(contexts))
     for name, hf in MODELS.items():
         config = dataclasses.replace(config_from_hf(hf, name), dtype="bfloat16")
-        rings = dataclasses.replace(config, kv_ring_step=args.step)
+        rings = config.with_kv_rings(args.step)
         full = [target_kv_bytes(config, 1, n) for n in contexts]
         ring = [target_kv_bytes(rings, 1, n) for n in contexts]
         sliding = sum(1 for i in range(config.num_layers) if config.layer_window(i))

@@ -148,6 +148,10 @@ def test_ring_sizes_and_memory_accounting():
     assert KVCache.zeros(wide, 1, 4096).keys[0].shape[1] == 128
     with pytest.raises(ValueError, match="kv_ring_step >= 32"):
         config.check_ring_step(32, "a tree of 32 nodes")
+    # Decoding configs: rings only where something slides.
+    assert config.with_kv_rings(8).kv_ring_step == 8
+    no_sliding = dataclasses.replace(full, sliding_window=None, layer_types=())
+    assert no_sliding.with_kv_rings(8) is no_sliding
 
 
 @pytest.mark.parametrize("attention", ["xla", "pallas"])

@@ -101,10 +101,7 @@ class Engine:
 
     def decode_config(self, shape: DecodeRequestShape):
         """The target config a request decodes with: sliding layers keep KV rings sized for its steps."""
-        config = self.model.config
-        if config.sliding_window is None:
-            return config
-        return dataclasses.replace(config, kv_ring_step=shape.step_tokens)
+        return self.model.config.with_kv_rings(shape.step_tokens)
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config

@@ -16,7 +16,8 @@ import numpy as np
 from flax import traverse_util
 
 from specjax.errors import SpecjaxError
-from specjax.models.config import GEMMA_ARCHITECTURES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, RopeScaling, TransformerConfig
+from specjax.models.config import (ACTIVATIONS, GEMMA_ARCHITECTURES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, RopeScaling,
+                                   TransformerConfig)
 from specjax.models.transformer import init_params
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -174,7 +175,7 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Transf
     gemma = arch in GEMMA_ARCHITECTURES
     try:
         fields = _gemma_fields(hf, arch, source)
-        if fields["hidden_act"] not in ("silu", "gelu_pytorch_tanh") or (fields["hidden_act"] != "silu" and not gemma):
+        if fields["hidden_act"] not in ACTIVATIONS or (fields["hidden_act"] != "silu" and not gemma):
             raise SpecjaxError(f"{source}: hidden_act {fields['hidden_act']!r} is not supported for {arch}")
         sliding_window, layer_types = _sliding_layers(hf, arch, int(hf["num_hidden_layers"]), source)
         num_heads = int(hf["num_attention_heads"])

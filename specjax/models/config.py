@@ -193,6 +193,13 @@ class TransformerConfig:
         slots = sum(self.layer_cache_slots(i, max_length) for i in range(self.num_layers) if self.layer_window(i))
         return 2 * slots * self.num_kv_heads * self.head_dim * bytes_per_element
 
+    def with_kv_rings(self, step_tokens: int) -> "TransformerConfig":
+        """This config as decoding uses it: sliding layers (if any) keep KV rings for steps that
+        write step_tokens tokens at once (1, the block, or the largest tree)."""
+        if self.sliding_window is None:
+            return self
+        return dataclasses.replace(self, kv_ring_step=step_tokens)
+
     def check_ring_step(self, step_tokens: int, what: str) -> None:
         """Refuse rings too small for steps that write step_tokens tokens at once (stale entries
         would become visible)."""

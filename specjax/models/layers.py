@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from specjax.models.config import TransformerConfig, rope_inverse_frequencies
+from specjax.models.config import ACTIVATIONS, TransformerConfig, rope_inverse_frequencies
 from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
 
 # Finite, so a fully masked row gives a uniform softmax over garbage instead of NaN.
@@ -71,6 +71,11 @@ def attention_mask(write_index: jax.Array, num_new: int, max_length: int, block_
     return committed | (in_block[:, None, :] & gathered)
 
 
+def causal_block_mask(batch: int, num_new: int) -> jax.Array:
+    """The default rule among T new tokens, each sees itself and those before it: [B, T, T] bool."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
+
+
 def ring_slots(write_index: jax.Array, ring: int) -> jax.Array:
     """The slot each index of a ring of `ring` entries holds before this step's write: the latest
     slot below write_index[b] that maps to it (negative: never written). Returns [B, R] int32.
@@ -91,9 +96,8 @@ def sliding_masks(write_index, positions, block_mask, window: int, ring: int):
     (causal when None), windowed by position: tree nodes sit at slot != position."""
     slots = ring_slots(write_index, ring)  # [B, R]
     committed = (slots >= 0)[:, None, :] & (slots[:, None, :] > positions[:, :, None] - window)  # [B, T, R]
-    num_new = positions.shape[1]
     if block_mask is None:
-        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (positions.shape[0], num_new, num_new))
+        block_mask = causal_block_mask(*positions.shape)
     own = block_mask & (positions[:, None, :] > positions[:, :, None] - window)  # [B, T, T] query x key
     return committed, own
 
@@ -116,6 +120,7 @@ ACTIVATION_FUNCTIONS = {
     # HF's gelu_pytorch_tanh is the tanh approximation of GELU.
     "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
 }
+assert set(ACTIVATION_FUNCTIONS) == set(ACTIVATIONS), "config.ACTIVATIONS and the implementations must agree"
 
 
 class SwiGLU(nn.Module):

@@ -18,8 +18,8 @@ from flax import struct
 
 from specjax.models.cache import KVCache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, grouped_query_attention, rope_tables,
-                                   sliding_masks)
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask,
+                                   grouped_query_attention, rope_tables, sliding_masks)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
@@ -60,7 +60,7 @@ class Attention(nn.Module):
             cached_v = write_rows(cached_v, v, write_index)
             if cfg.attention == "pallas":
                 if block_mask is None:
-                    block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
+                    block_mask = causal_block_mask(batch, num_new)
                 # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
                 out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
                                         implementation="pallas", scores=scores)  # [B, T, H, D]

@@ -152,8 +152,7 @@ def memory_report(target_config: TransformerConfig, target_params, drafter_confi
               "window": dataclasses.asdict(window), "peak_source": None,
               "weights_bytes": {"full": None, "windowed": None}}
     # As chain decoding allocates it: sliding layers (if any) keep rings sized for one block.
-    decode_target = (target_config if target_config.sliding_window is None
-                     else dataclasses.replace(target_config, kv_ring_step=drafter_config.block_size))
+    decode_target = target_config.with_kv_rings(drafter_config.block_size)
     for n in tqdm(contexts, desc="contexts", disable=not progress):
         report["target_kv_bytes"].append(target_kv_bytes(decode_target, batch, n))
         for name, config, params in (("full", full, full_params), ("windowed", windowed, drafter_params)):
