@@ -98,7 +98,7 @@ def test_state_stays_flat_with_context():
     assert isinstance(empty_context_cache(windowed, 1, 64), WindowedContext)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_windowed_decoding_equals_autoregressive(target, drafter, method):
     windowed = with_random_compressor(drafter, DrafterWindow(window=5, segment=4, summaries=2))
     prompts = [[1, 5, 2, 7, 7, 1, 9, 4, 2, 2, 6], [3, 4]]
