@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specjax.errors import SpecjaxError
+from specjax.files import check_output_file, make_dir, read_text_file
 
 DEFAULT_MODEL = "smollm2"
 
@@ -19,22 +20,78 @@ def _parse_ids(text: str) -> list[int]:
         raise SpecjaxError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _read_prompt_file(path: str) -> list[str]:
-    p = Path(path)
-    if not p.exists():
-        raise SpecjaxError(f"--prompt-file {path}: file not found")
-    text = p.read_text()
+def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
+    """Prompts from a .txt (one per non-blank line), .json (a list of strings) or .jsonl file
+    ({"prompt": "..."} per line); at least one, none empty."""
+    text = read_text_file(path, flag)
+    suffix = Path(path).suffix
     try:
-        if p.suffix == ".json":
+        if suffix == ".json":
             prompts = json.loads(text)
             if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
-                raise SpecjaxError(f"{path}: a .json prompt file must hold a list of strings")
-            return prompts
-        if p.suffix == ".jsonl":
-            return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise SpecjaxError(f"{path}: cannot read prompts ({e!r}); .jsonl lines must be {{\"prompt\": \"...\"}}") from None
-    return [line for line in text.splitlines() if line.strip()]
+                raise SpecjaxError(f"{flag} {path}: a .json prompt file must hold a list of strings")
+        elif suffix == ".jsonl":
+            prompts = []
+            for number, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                entry = json.loads(line)
+                if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+                    raise SpecjaxError(f"{flag} {path}: line {number} must be {{\"prompt\": \"<text>\"}}, "
+                                       f"got {line.strip()[:60]}")
+                prompts.append(entry["prompt"])
+        else:
+            prompts = [line for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise SpecjaxError(f"{flag} {path}: not valid JSON ({e})") from None
+    if not prompts:
+        raise SpecjaxError(f"{flag} {path}: the file holds no prompt")
+    empty = [i for i, t in enumerate(prompts) if not t.strip()]
+    if empty:
+        raise SpecjaxError(f"{flag} {path}: prompt {empty[0]} is empty")
+    return prompts
+
+
+# Options only some methods use. Given (a value other than the default) with none of those methods, they
+# are refused rather than silently ignored.
+_METHOD_OPTIONS = {
+    "speculative": (("drafter", "block_size", "denoise_steps", "drafter_window"),
+                    ("chain", "chain+refiner", "tree", "tree+refiner")),
+    "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
+                ("chain+refiner", "tree+refiner")),
+    "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
+}
+
+
+def _check_decode_args(args, methods: list[str]) -> None:
+    """Everything about generate/bench arguments that can be checked before a model is loaded."""
+    from specjax.decode.engine import METHODS
+    from specjax.io.registry import context_length_without_loading
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpecjaxError(f"unknown method {unknown[0] if unknown else ''!r}; available: {', '.join(METHODS)}")
+    defaults = args.parser
+    for options, users in _METHOD_OPTIONS.values():
+        if any(m in users for m in methods):
+            continue
+        for dest in options:
+            if hasattr(args, dest) and getattr(args, dest) != defaults.get_default(dest):
+                flag = "--" + dest.replace("_", "-")
+                raise SpecjaxError(f"{flag} applies to the methods {', '.join(users)}, not to "
+                                   f"{', '.join(methods)}")
+    if args.compressor != defaults.get_default("compressor") and not args.drafter_window:
+        raise SpecjaxError("--compressor applies only to windowed drafting; give --drafter-window too")
+    if args.drafter_window < 0:
+        raise SpecjaxError(f"--drafter-window must be >= 0, got {args.drafter_window}")
+    if args.max_new_tokens < 1:
+        raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    context = context_length_without_loading(args.model)
+    if context is not None and args.max_new_tokens >= context:
+        raise SpecjaxError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                           f"{args.model}'s context of {context} tokens")
+    _refine_config(args)
+    _tree_config(args)
 
 
 def _read_prompts(args) -> tuple[list[list[int]] | None, list[str] | None]:
@@ -65,11 +122,8 @@ def cmd_generate(args) -> int:
     from specjax.decode.sampling import SamplingConfig
     from specjax.io.registry import load_model
 
-    from specjax.decode.engine import METHODS
-
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.method not in METHODS:
-        raise SpecjaxError(f"unknown method {args.method!r}; available: {', '.join(METHODS)}")
+    _check_decode_args(args, [args.method])
     ids, texts = _read_prompts(args)
     model = load_model(args.model)
     prompts = _tokenize(ids, texts, args, model)
@@ -161,6 +215,12 @@ def cmd_memory(args) -> int:
         raise SpecjaxError(f"--contexts must be comma-separated token counts, got {args.contexts!r}") from None
     if not contexts or min(contexts) < 1:
         raise SpecjaxError("--contexts needs at least one positive token count")
+    for flag, value, least in (("--batch", args.batch, 1), ("--window", args.window, 0),
+                               ("--segment", args.segment, 1), ("--summaries", args.summaries, 1)):
+        if value < least:
+            raise SpecjaxError(f"{flag} must be >= {least}, got {value}")
+    if not args.json:  # before the minutes of measuring, not after
+        check_output_file(args.plot, "--plot")
     model = load_model(args.model)
     if max(contexts) > model.config.max_position_embeddings:
         print(f"specjax: note: {max(contexts)} tokens exceed {model.name}'s max_position_embeddings "
@@ -268,16 +328,17 @@ def _tree_config(args):
 def cmd_bench(args) -> int:
     from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
     from specjax.decode.bench import format_table, run_bench
-    from specjax.decode.engine import METHODS, Engine
+    from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
     from specjax.io.registry import load_model
 
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise SpecjaxError(f"unknown method {unknown[0] if unknown else ''!r}; available: {', '.join(METHODS)}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    texts = _read_prompt_file(args.prompts_file) if args.prompts_file else list(HELDOUT_CHAT_PROMPTS)
+    _check_decode_args(args, methods)
+    if args.repeats < 1:
+        raise SpecjaxError(f"--repeats must be >= 1, got {args.repeats}")
+    texts = (_read_prompt_file(args.prompts_file, "--prompts-file") if args.prompts_file
+             else list(HELDOUT_CHAT_PROMPTS))
     model = load_model(args.model)
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
@@ -301,6 +362,8 @@ def cmd_demo(args) -> int:
     from specjax.decode.engine import Engine
     from specjax.io.registry import DEFAULT_REFINERS, load_model, resolve_drafter, resolve_refiner
 
+    if args.max_new_tokens < 1:
+        raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     model = load_model(DEFAULT_MODEL)
     drafter = resolve_drafter("default", DEFAULT_MODEL)
     has_refiner = (DEFAULT_REFINERS[DEFAULT_MODEL] / "config.json").exists()
@@ -341,14 +404,9 @@ def cmd_models(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from specjax.data.corpora import available_corpora, fetch_all
+    from specjax.data.corpora import fetch_all
 
-    names = args.corpus or None
-    if names:
-        unknown = [n for n in names if n not in available_corpora()]
-        if unknown:
-            raise SpecjaxError(f"unknown corpus {unknown[0]!r}; available: {', '.join(available_corpora())}")
-    summary = fetch_all(names, progress=True)
+    summary = fetch_all(args.corpus or None, progress=True)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -358,17 +416,20 @@ def cmd_data(args) -> int:
 
 
 def cmd_train_lm(args) -> int:
-    from specjax.data.corpora import load_split
+    from specjax.data.corpora import check_corpus_names, load_split
     from specjax.train.lm import LMDataConfig, train_language_model
     from specjax.train.loop import LoopConfig, OptimizerConfig
 
-    train_docs, heldout_docs = load_split(tuple(args.corpus))
+    check_corpus_names(args.corpus)
     data = LMDataConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size)
-    summary = train_language_model(
-        [d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
-        OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(100, args.steps // 10), total_steps=args.steps),
-        LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every),
-    )
+    optimizer = OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(100, args.steps // 10),
+                                total_steps=args.steps)
+    loop = LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every)
+    make_dir(args.out, "--out")
+    train_docs, heldout_docs = load_split(tuple(args.corpus))
+    summary = train_language_model([d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
+                                   optimizer, loop)
     print(json.dumps(summary) if args.json else
           f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {Path(args.out) / 'model'}")
     return 0
@@ -381,6 +442,7 @@ def cmd_train_drafter(args) -> int:
                            seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, seed=args.seed)
+    make_dir(args.out, "--out")
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
     if args.data_only:
         print(json.dumps(summary))
@@ -398,6 +460,7 @@ def cmd_train_refiner(args) -> int:
                            steps=args.steps,
                            learning_rate=args.learning_rate, drafted_input_rate=args.drafted_input_rate,
                            seed=args.seed)
+    make_dir(args.out, "--out")
     summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
           f"refiner written to {summary['refiner']} (held-out tau estimate: drafter "
@@ -411,6 +474,7 @@ def cmd_train_compressor(args) -> int:
     recipe = CompressorRecipe(window=args.window, segment=args.segment, summaries=args.summaries, seq_len=args.seq_len,
                               sequences=args.sequences, steps=args.steps, learning_rate=args.learning_rate,
                               seed=args.seed)
+    make_dir(args.out, "--out")
     summary = train_compressor_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
           f"compressor written to {summary['compressor']} (held-out tau estimate: full attention "
@@ -474,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     gen.add_argument("--no-chat", action="store_true", help="use --prompt text as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, parser=gen)
 
     bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
     bench.add_argument("--model", default=DEFAULT_MODEL)
@@ -493,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-chat", action="store_true")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=cmd_bench, parser=bench)
 
     demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter (chain, refined chain, "
                                        "draft trees), against autoregressive")
@@ -603,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except SpecjaxError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a disk that fills up, a file that vanishes: the environment, not a bug to trace
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"specjax: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

@@ -3,3 +3,17 @@
 
 class SpecjaxError(ValueError):
     """Bad input or a bad file: the message says what was wrong and what to do."""
+
+
+def check_at_least(least: float, **values: float) -> None:
+    """Refuse any value below `least` (NaN included), naming it: check_at_least(1, steps=steps)."""
+    for name, value in values.items():
+        if not value >= least:
+            raise SpecjaxError(f"{name} must be >= {least}, got {value}")
+
+
+def check_positive_finite(**values: float) -> None:
+    """Refuse any value that is not a finite number above 0 (a learning rate, a scale), naming it."""
+    for name, value in values.items():
+        if not 0 < value < float("inf"):
+            raise SpecjaxError(f"{name} must be a finite number > 0, got {value}")

@@ -90,6 +90,18 @@ def smollm2():
     return load_model("smollm2")
 
 
+def assert_histogram_accounts_for_the_tokens(histogram, outputs, block: int) -> None:
+    """The accepted-length histogram (steps that committed k + 1 tokens, summed over rows) must account
+    for the tokens generated: each row's first token comes from the prefill and every later one from a
+    verify step, and a row's last step may run past max_new_tokens or an EOS by at most one block.
+    Fails when steps go uncounted (a histogram from one call of several, steps of finished rows) or
+    when n is off by one."""
+    committed = sum((k + 1) * count for k, count in enumerate(histogram))
+    needed = sum(max(len(row) - 1, 0) for row in outputs)
+    assert len(histogram) == block
+    assert needed <= committed <= needed + len(outputs) * block, (committed, needed, histogram)
+
+
 # ---- a tiny target and a drafter trained on it, shared by the speculative and refiner tests ----
 
 SPEC_BLOCK = 4

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from specjax.data import artifacts, rdata
+from specjax.errors import SpecjaxError
 from specjax.data.artifacts import (
     ArchiveVersionError,
     ChecksumMismatchError,
@@ -291,9 +292,9 @@ def test_document_repr_stays_short():
 def test_unknown_corpus_is_rejected_before_any_download(tmp_path):
     assert available_corpora() == ("shakespeare", "milton", "austen", "gutenberg_novels", "kjv",
                                    "python_docs", "python_stdlib")
-    with pytest.raises(KeyError, match="available"):
+    with pytest.raises(SpecjaxError, match="available"):
         load_corpus("beowulf")
-    with pytest.raises(KeyError):
+    with pytest.raises(SpecjaxError, match="beowulf"):
         fetch_all(["austen", "beowulf"], progress=False, cache_dir=tmp_path)
     assert not (tmp_path / "downloads").exists()
 

@@ -168,7 +168,16 @@ def test_tree_config_refuses_bad_values():
         TreeConfig(budget=0)
     assert TreeConfig(shape="fixed", width=3).node_buckets(15) == (46,)
     assert TreeConfig(budget=8).node_buckets(15) == (8,)
-    assert TreeConfig().node_buckets(15) == (1, 2, 4, 8, 16, 32, 64)  # the CPU default
+
+
+def test_default_tree_buckets_follow_the_backend(monkeypatch):
+    """CPU verification is compute-bound from 1 node; accelerators stay cheap far longer."""
+    import specjax.decode.tree as tree_module
+
+    for backend, expected in (("cpu", (1, 2, 4, 8, 16, 32, 64)), ("gpu", (16, 32, 64, 128, 256)),
+                              ("tpu", (16, 32, 64, 128, 256))):
+        monkeypatch.setattr(tree_module.jax, "default_backend", lambda: backend)
+        assert TreeConfig().node_buckets(15) == expected, backend
 
 
 TREES = [TreeConfig(buckets=(2, 4, 8)), TreeConfig(budget=6), TreeConfig(shape="fixed", width=2)]

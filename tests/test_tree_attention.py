@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from specjax.pallas_kernels.tree_attention import (
-    MASK_VALUE,
     AttentionScores,
     BlockSizes,
     tree_attention,
@@ -77,12 +76,6 @@ def assert_close(actual, expected, dtype):
 
 
 # ---- the reference is the model's attention ----
-
-def test_mask_value_is_the_models():
-    from specjax.models.layers import MASK_VALUE as MODEL_MASK_VALUE
-
-    assert MASK_VALUE == MODEL_MASK_VALUE
-
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_matches_model_attention_over_a_written_cache(dtype):

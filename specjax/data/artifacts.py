@@ -31,6 +31,9 @@ from typing import Callable, Literal, Sequence
 
 from tqdm.auto import tqdm
 
+from specjax.errors import SpecjaxError
+from specjax.files import cache_root, make_dir
+
 __all__ = [
     "CorpusError",
     "ChecksumMismatchError",
@@ -46,11 +49,9 @@ __all__ = [
     "run_tool",
 ]
 
-CACHE_ENV_VAR = "SPECJAX_CACHE"
-
-
-class CorpusError(RuntimeError):
-    """Base class for failures while fetching or reading a corpus."""
+class CorpusError(SpecjaxError):
+    """Base class for failures while fetching or reading a corpus; a SpecjaxError, so the CLI reports it
+    in one line."""
 
 
 class ChecksumMismatchError(CorpusError):
@@ -116,10 +117,7 @@ class FetchConfig:
 
 def default_cache_dir() -> Path:
     """``$SPECJAX_CACHE/corpora`` when the variable is set, else ``~/.cache/specjax/corpora``."""
-    root = os.environ.get(CACHE_ENV_VAR)
-    if root:
-        return Path(root).expanduser() / "corpora"
-    return Path.home() / ".cache" / "specjax" / "corpora"
+    return cache_root() / "corpora"
 
 
 def log(config: FetchConfig, message: str) -> None:
@@ -252,7 +250,7 @@ DOWNLOADERS: dict[str, Downloader] = {
 def ensure_downloaded(artifact: PinnedArtifact, config: FetchConfig) -> Path:
     """Return the verified local copy of ``artifact``, downloading it if needed."""
     downloads = config.resolved_cache_dir() / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
+    make_dir(downloads, "the corpus cache")
     final_path = downloads / artifact.filename
     if final_path.exists():
         if sha256_of_file(final_path) == artifact.sha256:
@@ -309,7 +307,7 @@ def ensure_extracted(artifact: PinnedArtifact, config: FetchConfig) -> Path:
     if final_dir.is_dir():
         return final_dir
     archive = ensure_downloaded(artifact, config)
-    extracted_root.mkdir(parents=True, exist_ok=True)
+    make_dir(extracted_root, "the corpus cache")
     log(config, f"unpacking {artifact.filename}")
     staging = Path(tempfile.mkdtemp(dir=extracted_root, prefix=f".partial-{stem}-"))
     try:

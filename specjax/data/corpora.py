@@ -55,6 +55,7 @@ from specjax.data.artifacts import (
     log,
     run_tool,
 )
+from specjax.files import make_dir
 
 __all__ = [
     "Document",
@@ -431,9 +432,15 @@ def describe_corpus(name: str) -> str:
     return _spec(name).description
 
 
+def check_corpus_names(names: Sequence[str]) -> None:
+    """Refuse an unknown corpus name before anything is downloaded (CorpusError, a SpecjaxError)."""
+    for name in names:
+        _spec(name)
+
+
 def _spec(name: str) -> _CorpusSpec:
     if name not in _CORPORA:
-        raise KeyError(f"unknown corpus {name!r}; available: {', '.join(_CORPORA)}")
+        raise CorpusError(f"unknown corpus {name!r}; available: {', '.join(_CORPORA)}")
     return _CORPORA[name]
 
 
@@ -498,6 +505,7 @@ def load_split(
 ) -> tuple[list[Document], list[Document]]:
     """Load several corpora (default: all) and split them with ``train_heldout_split``."""
     names = available_corpora() if corpora is None else tuple(corpora)
+    check_corpus_names(names)
     documents = [document for name in names for document in load_corpus(name, config)]
     return train_heldout_split(documents, heldout_titles)
 
@@ -513,8 +521,8 @@ def fetch_all(
     config = FetchConfig(cache_dir=Path(cache_dir) if cache_dir is not None else None,
                          progress=progress)
     selected = available_corpora() if names is None else tuple(names)
-    for name in selected:
-        _spec(name)  # reject unknown names before downloading anything
+    check_corpus_names(selected)
+    make_dir(config.resolved_cache_dir(), "the corpus cache")
     summary: dict[str, dict[str, int]] = {}
     for name in tqdm(selected, desc="corpora", unit="corpus", disable=not progress, file=sys.stderr):
         documents = load_corpus(name, config)

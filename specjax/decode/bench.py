@@ -53,6 +53,10 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
         raise SpecjaxError(f"benchmark labels must be distinct, got {labels}")
     if batch_size < 1:
         raise SpecjaxError(f"batch_size must be >= 1, got {batch_size}")
+    if repeats < 1:
+        raise SpecjaxError(f"repeats must be >= 1, got {repeats}")
+    if not prompts:
+        raise SpecjaxError("the benchmark needs at least one prompt")
     num_calls = -(-len(prompts) // batch_size)
     batches = [[prompts[(c * batch_size + i) % len(prompts)] for i in range(batch_size)] for c in range(num_calls)]
     run = lambda v, batch: v.engine.generate(batch, max_new_tokens, sampling, seed=seed, method=v.method,

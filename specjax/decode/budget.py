@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.files import make_dir
+
 
 LATENCY_FORMAT = 5
 """Bumped whenever what a step does changes, so stale measurements on disk are not reused."""
@@ -166,7 +168,7 @@ class LatencyModel:
         return folder / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
     def save(self, key: str, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dir(folder, "the latency cache")
         data = {"key": key, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
         tmp = self.path_for(key, folder).with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=1))

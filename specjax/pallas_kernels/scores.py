@@ -14,6 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
+
+# The logit of a masked key, one value for the model's XLA attention, the kernels and their references.
+# Finite, so masked scores never produce inf - inf = NaN in the softmax, and a fully masked row gives a
+# uniform softmax over garbage instead of NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)

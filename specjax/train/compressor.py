@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig, DrafterWindow, init_compressor_params
 from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, check_taps, drafter_loss, heldout_tau,
@@ -90,6 +90,12 @@ class CompressorRecipe:
     anchors_per_sequence: int = 32
     seed: int = 0
 
+    def __post_init__(self):
+        check_at_least(1, window=self.window, segment=self.segment, summaries=self.summaries,
+                       seq_len=self.seq_len, sequences=self.sequences, heldout_sequences=self.heldout_sequences,
+                       steps=self.steps, sequences_per_batch=self.sequences_per_batch,
+                       anchors_per_sequence=self.anchors_per_sequence)
+        check_positive_finite(learning_rate=self.learning_rate)
 
 def _long_document_windows(tokenizer, documents, count: int, seq_len: int, first_trainable: int, seed: int):
     """`count` windows of seq_len tokens at random offsets of random long documents."""

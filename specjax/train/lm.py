@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.hf import save_hf_model
 from specjax.io.tokenizer import TextTokenizer
 from specjax.models.cache import KVCache
@@ -24,6 +24,10 @@ from specjax.models.transformer import forward, init_params
 from specjax.train.loop import LoopConfig, OptimizerConfig, train
 
 END_OF_TEXT = "<|endoftext|>"
+
+
+MIN_VOCAB_SIZE = 260
+"""The 256 byte tokens of byte-level BPE, the special tokens and room for merges."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,9 @@ class LMDataConfig:
     eval_batches: int = 8
     """Held-out batches averaged for the evaluation loss."""
 
+    def __post_init__(self):
+        check_at_least(1, seq_len=self.seq_len, batch_size=self.batch_size, eval_batches=self.eval_batches)
+        check_at_least(MIN_VOCAB_SIZE, vocab_size=self.vocab_size)
 
 def tiny_lm_config(vocab_size: int, max_positions: int = 1024) -> TransformerConfig:
     """A ~1M-parameter Llama-style model that trains in minutes on 2 CPU cores."""
@@ -53,8 +60,7 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int) -> TextTokenizer:
     """A byte-level BPE tokenizer trained on texts, with <|endoftext|> (id 0) as EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 260:
-        raise SpecjaxError(f"vocab_size must be at least 260 (256 bytes + specials), got {vocab_size}")
+    check_at_least(MIN_VOCAB_SIZE, vocab_size=vocab_size)
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,11 @@ class OptimizerConfig:
     clip_norm: float = 1.0
     """Global gradient-norm clip."""
 
+    def __post_init__(self):
+        check_positive_finite(learning_rate=self.learning_rate)
+        check_at_least(0, warmup_steps=self.warmup_steps, min_lr_ratio=self.min_lr_ratio,
+                       weight_decay=self.weight_decay)
+        check_at_least(1, total_steps=self.total_steps)
 
 def _tree_norm(tree) -> jax.Array:
     # optax.tree.norm is the current name; older optax (as on some accelerator images) has global_norm.
@@ -51,11 +56,13 @@ def _tree_norm(tree) -> jax.Array:
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    # optax needs at least one warmup step and one decay step after it; a 1-step run gets both.
+    warmup_steps = max(cfg.warmup_steps, 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
-        warmup_steps=max(cfg.warmup_steps, 1),
-        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+        warmup_steps=warmup_steps,
+        decay_steps=max(cfg.total_steps, warmup_steps + 1),
         end_value=cfg.learning_rate * cfg.min_lr_ratio,
     )
 
@@ -91,11 +98,9 @@ class LoopConfig:
     """Show a tqdm progress bar."""
 
     def __post_init__(self):
-        for name in ("steps", "log_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise SpecjaxError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise SpecjaxError(f"eval_every must be >= 0, got {self.eval_every}")
+        check_at_least(1, steps=self.steps, log_every=self.log_every, checkpoint_every=self.checkpoint_every,
+                       keep_checkpoints=self.keep_checkpoints)
+        check_at_least(0, eval_every=self.eval_every)
 
 
 @struct.dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,17 @@ class DistillRecipe:
     seed: int = 0
     """Seeds prompts, windows, batches and init."""
 
+    def __post_init__(self):
+        check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
+                       everyday_prompts=self.everyday_prompts, draft_vocab_size=self.draft_vocab_size)
+        check_at_least(1, seq_len=self.seq_len, generate_batch=self.generate_batch, layers=self.num_layers,
+                       taps=self.num_taps, steps=self.steps, sequences_per_batch=self.sequences_per_batch,
+                       anchors_per_sequence=self.anchors_per_sequence)
+        check_at_least(2, block_size=self.block_size)
+        check_positive_finite(learning_rate=self.learning_rate)
+        if self.chat_prompts + self.corpus_sequences + self.everyday_prompts == 0:
+            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences and "
+                               "everyday_prompts are all 0")
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)

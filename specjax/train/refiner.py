@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
 from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
@@ -222,6 +222,16 @@ class RefinerRecipe:
     """Seeds prompts, windows, batches and init. The default differs from the drafter's recipe so the
     refiner learns from text the drafter was not trained on, where its drafts look as at decode time."""
 
+    def __post_init__(self):
+        check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
+                       everyday_prompts=self.everyday_prompts)
+        check_at_least(1, width=self.width, rank=self.rank, steps=self.steps)
+        check_positive_finite(learning_rate=self.learning_rate)
+        if not 0.0 <= self.drafted_input_rate <= 1.0:
+            raise SpecjaxError(f"drafted_input_rate must be in [0, 1], got {self.drafted_input_rate}")
+        if self.chat_prompts + self.corpus_sequences + self.everyday_prompts == 0:
+            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences and "
+                               "everyday_prompts are all 0")
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)

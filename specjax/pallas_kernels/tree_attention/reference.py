@@ -25,14 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.pallas_kernels.scores import STANDARD_SCORES, AttentionScores
-
-# Same value as specjax.models.layers.MASK_VALUE (a test checks it). Finite, so masked scores never
-# produce inf - inf = NaN in the softmax. Defined here rather than imported because layers.py pulls in
-# flax, and this package must import with jax and numpy alone.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+from specjax.pallas_kernels.scores import MASK_VALUE, STANDARD_SCORES, AttentionScores
 
 
 @dataclasses.dataclass(frozen=True)
