@@ -120,12 +120,12 @@ def _tokenize(ids: list[list[int]] | None, texts: list[str] | None, args, model)
 def cmd_generate(args) -> int:
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
-    from specjax.io.registry import load_model
+    from specjax.io.registry import compute_dtype, load_model
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     _check_decode_args(args, [args.method])
     ids, texts = _read_prompts(args)
-    model = load_model(args.model)
+    model = load_model(args.model, compute_dtype(args.dtype))
     prompts = _tokenize(ids, texts, args, model)
     drafter = _drafter_for(args, model)
     refiner = _refiner_for(args, model)
@@ -205,7 +205,7 @@ def cmd_memory(args) -> int:
     import dataclasses
 
     from specjax.io.dflash import check_pair
-    from specjax.io.registry import load_model, resolve_compressor, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, compute_dtype, load_model, resolve_compressor, resolve_drafter
     from specjax.models.drafter import DrafterWindow, init_compressor_params
     from specjax.monitor.memory import memory_report, plot_memory_report
 
@@ -221,7 +221,7 @@ def cmd_memory(args) -> int:
             raise SpecjaxError(f"{flag} must be >= {least}, got {value}")
     if not args.json:  # before the minutes of measuring, not after
         check_output_file(args.plot, "--plot")
-    model = load_model(args.model)
+    model = load_model(args.model, compute_dtype(args.dtype))
     if max(contexts) > model.config.max_position_embeddings:
         print(f"specjax: note: {max(contexts)} tokens exceed {model.name}'s max_position_embeddings "
               f"{model.config.max_position_embeddings}; sizes are still exact", file=sys.stderr)
@@ -237,6 +237,7 @@ def cmd_memory(args) -> int:
     else:
         drafter = resolve_drafter(args.drafter, args.model)
     check_pair(drafter, model.config)
+    drafter = at_compute_dtype(drafter, model.config.dtype)
     params = drafter.params
     if args.compressor == "none":  # shapes only: an untrained compressor has the same size
         window = DrafterWindow(args.window or 256, args.segment, args.summaries)
@@ -273,7 +274,7 @@ def _drafter_for(args, model):
     """The drafter a speculative method needs (None for ar), checked against the target."""
     from specjax.decode.engine import SPECULATIVE_METHODS
     from specjax.io.dflash import check_pair
-    from specjax.io.registry import resolve_drafter
+    from specjax.io.registry import at_compute_dtype, resolve_drafter
 
     methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
     if not any(m in SPECULATIVE_METHODS for m in methods):
@@ -285,7 +286,7 @@ def _drafter_for(args, model):
         from specjax.io.registry import resolve_compressor
 
         drafter = windowed_drafter(drafter, resolve_compressor(args.compressor, args.model), args.drafter_window)
-    return drafter
+    return at_compute_dtype(drafter, model.config.dtype)  # the pair computes at one precision
 
 
 def _refiner_for(args, model):
@@ -330,7 +331,7 @@ def cmd_bench(args) -> int:
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
-    from specjax.io.registry import load_model
+    from specjax.io.registry import compute_dtype, load_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -339,7 +340,7 @@ def cmd_bench(args) -> int:
         raise SpecjaxError(f"--repeats must be >= 1, got {args.repeats}")
     texts = (_read_prompt_file(args.prompts_file, "--prompts-file") if args.prompts_file
              else list(HELDOUT_CHAT_PROMPTS))
-    model = load_model(args.model)
+    model = load_model(args.model, compute_dtype(args.dtype))
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
@@ -360,12 +361,13 @@ def cmd_demo(args) -> int:
     from specjax.data.prompts import DEMO_PROMPTS
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
-    from specjax.io.registry import DEFAULT_REFINERS, load_model, resolve_drafter, resolve_refiner
+    from specjax.io.registry import (DEFAULT_REFINERS, at_compute_dtype, compute_dtype, load_model, resolve_drafter,
+                                     resolve_refiner)
 
     if args.max_new_tokens < 1:
         raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = load_model(DEFAULT_MODEL)
-    drafter = resolve_drafter("default", DEFAULT_MODEL)
+    model = load_model(DEFAULT_MODEL, compute_dtype(args.dtype))
+    drafter = at_compute_dtype(resolve_drafter("default", DEFAULT_MODEL), model.config.dtype)
     has_refiner = (DEFAULT_REFINERS[DEFAULT_MODEL] / "config.json").exists()
     refiner = resolve_refiner("default", DEFAULT_MODEL) if has_refiner else None
     engine = Engine(model, drafter, refiner=refiner)
@@ -496,6 +498,13 @@ def _add_tree_options(parser) -> None:
     parser.add_argument("--tree-width", type=int, default=2, help="tokens per depth of the fixed-shape tree")
 
 
+def _add_dtype_option(parser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="compute precision of the target and drafter: bf16 inputs to every dot with "
+                             "float32 accumulation, or float32; auto = the fastest precision measured exact "
+                             "on this backend (float32 for now, see BENCHMARKS.md)")
+
+
 def _add_window_options(parser) -> None:
     parser.add_argument("--drafter-window", type=int, default=0,
                         help="windowed drafting: the drafter attends to the last N context positions plus summary "
@@ -531,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_refiner_options(gen)
     _add_tree_options(gen)
     _add_window_options(gen)
+    _add_dtype_option(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
@@ -548,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_refiner_options(bench)
     _add_tree_options(bench)
     _add_window_options(bench)
+    _add_dtype_option(bench)
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
@@ -562,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter (chain, refined chain, "
                                        "draft trees), against autoregressive")
     demo.add_argument("--max-new-tokens", type=int, default=96)
+    _add_dtype_option(demo)
     demo.set_defaults(func=cmd_demo)
 
     mem = sub.add_parser("memory", help="KV and drafter-state bytes against context length, full against windowed "
@@ -577,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--segment", type=int, default=128, help="with --compressor none: positions per segment")
     mem.add_argument("--summaries", type=int, default=2, help="with --compressor none: summaries per segment")
     mem.add_argument("--batch", type=int, default=1)
+    _add_dtype_option(mem)
     mem.add_argument("--plot", default="memory.png", help="PNG of bytes against context (table mode)")
     mem.add_argument("--json", action="store_true", help="print the report as one JSON object")
     mem.set_defaults(func=cmd_memory)

@@ -202,6 +202,35 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
         raise SpecjaxError(
             f"unknown model {name_or_path!r}: give a known name ({known}), an HF folder or a .gguf file"
         )
-    config = dataclasses.replace(config, dtype=dtype)
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
-    return LoadedModel(str(name_or_path), config, params, tokenizer, tuple(eos))
+    return at_compute_dtype(LoadedModel(str(name_or_path), config, params, tokenizer, tuple(eos)), dtype)
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+AUTO_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "float32", "tpu": "float32"}
+"""`--dtype auto` per backend: the fastest precision at which speculative output has been measured
+identical to AR on a real model there. bf16 verifies 16 tokens for 1.3x a float32 decode step on an
+AVX2 CPU (float32: 2.0x; experiments/verify_cost_curve.py), but on SmolLM2 its speculative output
+diverged from bf16 AR: XLA's float32 accumulations are not bitwise the same for 1 and for 16 new
+tokens, and bf16 rounding between layers amplifies those ulps to ~0.2 in the logits (float32: 5e-5),
+enough to flip near-tied argmaxes (experiments/precision_consistency.py, BENCHMARKS.md). Until that
+is closed, bf16 is opt-in (`--dtype bfloat16`) on every backend."""
+
+
+def compute_dtype(choice: str) -> str:
+    """`--dtype`: auto, float32 or bfloat16 -> the dtype to compute in."""
+    if choice == "auto":
+        return AUTO_COMPUTE_DTYPE.get(jax.default_backend(), "float32")
+    return choice
+
+
+def at_compute_dtype(loaded, dtype: str):
+    """A model or drafter (anything with .config.dtype and .params) that computes in `dtype`: its params
+    are stored in it, and every dot takes it as input (bf16 accumulates in float32). The target is
+    defined by its compute precision: speculative output is exact against AR at the same dtype."""
+    if dtype not in COMPUTE_DTYPES:
+        raise SpecjaxError(f"unknown compute dtype {dtype!r}; available: {', '.join(COMPUTE_DTYPES)}")
+    if loaded.config.dtype == dtype and all(a.dtype == jnp.dtype(dtype) for a in jax.tree.leaves(loaded.params)):
+        return loaded
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, dtype=dtype),
+                               params=jax.tree.map(lambda a: jnp.asarray(a, dtype), loaded.params))

@@ -22,7 +22,8 @@ from flax import struct
 
 from specjax.models.cache import write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, grouped_query_attention, rope_tables
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, dense, dot_general_for, grouped_query_attention,
+                                   rope_tables)
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
 
@@ -155,7 +156,7 @@ class DrafterLayer(nn.Module):
     def setup(self):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        proj = lambda n: nn.Dense(n, use_bias=False, dtype=dtype)
+        proj = lambda n: dense(n, False, dtype)
         self.q_proj = proj(cfg.num_heads * cfg.head_dim)
         self.k_proj = proj(cfg.num_kv_heads * cfg.head_dim)
         self.v_proj = proj(cfg.num_kv_heads * cfg.head_dim)
@@ -175,7 +176,9 @@ class DrafterLayer(nn.Module):
         v = self.v_proj(h).reshape(batch, length, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             k = self.k_norm(k)
-        return apply_rope(k, cos, sin), v
+        # Projections accumulate in float32; attention and caches take the compute dtype again.
+        dtype = jnp.dtype(cfg.dtype)
+        return apply_rope(k, cos, sin).astype(dtype), v.astype(dtype)
 
     def block_qkv(self, x, cos, sin):
         """Queries, keys and values of the block states x [B, Q, d]: [B, Q, H, D], two [B, Q, K, D]."""
@@ -186,7 +189,7 @@ class DrafterLayer(nn.Module):
         if cfg.qk_norm:
             q = self.q_norm(q)
         k, v = self.keys_values(h, cos, sin)
-        return apply_rope(q, cos, sin), k, v
+        return apply_rope(q, cos, sin).astype(jnp.dtype(cfg.dtype)), k, v
 
     def finish(self, x, attention_out):
         """Residual attention output and MLP. attention_out: [B, Q, H, D]."""
@@ -240,13 +243,14 @@ class SegmentCompressor(nn.Module):
         """states: [B, N, S, d] pre-norm context states of N segments -> [B, N, C, d]."""
         width = states.shape[-1]
         queries = self.param("queries", nn.initializers.zeros, (self.summaries, width))
-        keys = nn.Dense(width, use_bias=False, dtype=self.dtype, name="key_proj")(states)  # [B, N, S, d]
+        keys = dense(width, False, self.dtype, "key_proj")(states)  # [B, N, S, d]
         scores = jnp.einsum("cd,bnsd->bncs", queries.astype(keys.dtype), keys,
                             preferred_element_type=jnp.float32) * width**-0.5
         weights = jax.nn.softmax(scores, axis=-1).astype(states.dtype)  # [B, N, C, S]
-        pooled = jnp.einsum("bncs,bnsd->bncd", weights, states)
+        pooled = jnp.einsum("bncs,bnsd->bncd", weights, states, preferred_element_type=jnp.float32)
         identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], shape[1], dtype=dtype)  # noqa: E731
-        return nn.Dense(width, use_bias=False, dtype=self.dtype, kernel_init=identity, name="out_proj")(pooled)
+        return nn.Dense(width, use_bias=False, dtype=self.dtype, dot_general=dot_general_for(self.dtype),
+                        kernel_init=identity, name="out_proj")(pooled)
 
 
 @struct.dataclass
@@ -276,7 +280,7 @@ class Drafter(nn.Module):
     def setup(self):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype)
+        self.fc = dense(cfg.hidden_size, False, dtype)
         self.hidden_norm = RMSNorm(cfg.rms_norm_eps, dtype)
         self.layers = [DrafterLayer(cfg.layer_config, name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)

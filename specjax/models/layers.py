@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from specjax.models.config import ACTIVATIONS, TransformerConfig, rope_inverse_frequencies
 from specjax.pallas_kernels.scores import MASK_VALUE, STANDARD_SCORES, AttentionScores
+
+
+def accumulate_in_float32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """`lax.dot_general` for low-precision (bf16) inputs: float32 accumulation and float32 output.
+
+    On XLA:CPU a bf16 dot with a bf16 output runs far below a float32 one, while bf16 inputs
+    accumulated in float32 take a fast path, from two rows up (DESIGN.md section 8). A single row
+    (batch 1, one token) falls onto a slow matrix-vector path instead, so it is padded to two rows
+    and the pad row dropped: the kept row's value does not depend on the pad.
+    """
+    del preferred_element_type  # always float32
+    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
+                            preferred_element_type=jnp.float32)
+    if lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or lhs.size != lhs.shape[-1]:
+        return dot(lhs, rhs)
+    rows = lhs.reshape(1, lhs.shape[-1])  # [1, d]
+    padded = jnp.concatenate([rows, jnp.zeros_like(rows)], axis=0)  # [2, d]
+    out = jax.lax.dot_general(padded, rhs, (((1,), tuple(dimension_numbers[0][1])), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32)  # [2, ...]
+    return out[:1].reshape(lhs.shape[:-1] + out.shape[1:])
+
+
+def dot_general_for(dtype) -> Callable:
+    """The dot_general every projection of a model computing in `dtype` uses."""
+    return jax.lax.dot_general if jnp.dtype(dtype) == jnp.float32 else accumulate_in_float32
+
+
+def dense(features: int, use_bias: bool, dtype, name: str | None = None) -> nn.Dense:
+    """A projection computing in `dtype`; in bf16 it accumulates in float32 and returns float32."""
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, dot_general=dot_general_for(dtype), name=name)
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +141,7 @@ def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SC
     products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -129,7 +163,7 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=self.use_bias, dtype=self.dtype, name=name)
+        dense_ = lambda n, name: dense(n, self.use_bias, self.dtype, name)
         act = ACTIVATION_FUNCTIONS[self.activation]
-        hidden = act(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(hidden)
+        hidden = act(dense_(self.intermediate_size, "gate_proj")(x)) * dense_(self.intermediate_size, "up_proj")(x)
+        return dense_(x.shape[-1], "down_proj")(hidden)

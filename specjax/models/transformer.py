@@ -18,7 +18,7 @@ from flax import struct
 
 from specjax.models.cache import KVCache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask,
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense, dot_general_for,
                                    grouped_query_attention, rope_tables, sliding_masks)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         batch, num_new, _ = x.shape
-        proj = lambda n, name: nn.Dense(n, use_bias=cfg.attention_bias, dtype=dtype, name=name)
+        proj = lambda n, name: dense(n, cfg.attention_bias, dtype, name)
         q = proj(cfg.num_heads * cfg.head_dim, "q_proj")(x).reshape(batch, num_new, cfg.num_heads, cfg.head_dim)
         k = proj(cfg.num_kv_heads * cfg.head_dim, "k_proj")(x).reshape(batch, num_new, cfg.num_kv_heads, cfg.head_dim)
         v = proj(cfg.num_kv_heads * cfg.head_dim, "v_proj")(x).reshape(batch, num_new, cfg.num_kv_heads, cfg.head_dim)
@@ -49,6 +49,8 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
+        # Projections accumulate in float32; attention and the cache take the compute dtype again.
+        q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
         scores = cfg.attention_scores()
         if self.window is not None:
             out = self._sliding(q, k, v, cached_k, cached_v, write_index, mask, positions, empty_cache)
@@ -66,7 +68,7 @@ class Attention(nn.Module):
                                         implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
                 out = grouped_query_attention(q, cached_k, cached_v, mask, scores)  # [B, T, H, D]
-        out = nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=dtype, name="o_proj")(
+        out = dense(cfg.hidden_size, cfg.attention_bias, dtype, "o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
         return out, cached_k, cached_v
@@ -147,7 +149,7 @@ class Transformer(nn.Module):
         self.layers = [DecoderLayer(cfg, cfg.layer_window(i), name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype)
+            self.lm_head = dense(cfg.vocab_size, False, dtype)
 
     def embed(self, tokens):
         x = self.embed_tokens(tokens)  # [B, T, d]
@@ -161,7 +163,12 @@ class Transformer(nn.Module):
 
     def head_only(self, normed):
         """LM head without the final norm (drafters bring their own norm). [B, N, d] -> [B, N, V]."""
-        logits = self.embed_tokens.attend(normed) if self.config.tie_word_embeddings else self.lm_head(normed)
+        if self.config.tie_word_embeddings:  # Embed.attend would return the compute dtype
+            dtype = jnp.dtype(self.config.dtype)
+            logits = dot_general_for(dtype)(normed.astype(dtype), self.embed_tokens.embedding.astype(dtype),
+                                            (((normed.ndim - 1,), (1,)), ((), ())))  # [B, N, V]
+        else:
+            logits = self.lm_head(normed)
         return softcap_logits(logits.astype(jnp.float32), self.config.final_logit_softcapping)
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
@@ -257,8 +264,9 @@ def apply_head(normed_hidden, head):
     accumulated in float32: [..., V']. The drafters' head: unlike the target's (`lm_head`), it has
     no final soft cap (Gemma 2). The cap is monotonic, so greedy drafts are the same, and sampled
     drafts stay exact because verification uses the drafter's own distribution."""
-    return jnp.einsum("...d,dV->...V", normed_hidden, head.astype(normed_hidden.dtype),
-                      preferred_element_type=jnp.float32)
+    dtype = normed_hidden.dtype
+    return dot_general_for(dtype)(normed_hidden, head.astype(dtype), (((normed_hidden.ndim - 1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
 
 
 def lm_head(params, config: TransformerConfig, normed_hidden):

@@ -123,5 +123,5 @@ def tree_attention_reference(
     # A no-op wherever a row sees at least one key (exp(MASK_VALUE - max) underflows to exactly 0);
     # for a row that sees nothing it turns the uniform average over garbage into zeros.
     probs = jnp.where(visible, probs, 0.0).astype(values.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, values)  # [B, T, Kh, G, D]
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, values, preferred_element_type=jnp.float32)  # [B, T, Kh, G, D]
     return out.reshape(batch, num_new, dims.num_heads, dims.head_dim).astype(q.dtype)  # [B, T, H, D]

@@ -123,7 +123,7 @@ def masked_attention(q, k, v, visible, scores: AttentionScores = STANDARD_SCORES
     total = jnp.sum(weights, axis=-1, keepdims=True)  # [B, Kh, G, T, 1]
     seen = total > 0
     probs = (weights / jnp.where(seen, total, 1.0)).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)  # [B, T, Kh, G, D]
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)  # [B, T, Kh, G, D]
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)), MASK_VALUE)[..., 0]  # [B, Kh, G, T]
     out = out.reshape(batch, num_queries, num_heads, head_dim).astype(q.dtype)
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(batch, num_queries, num_heads)  # [B, T, H]

@@ -1,0 +1,80 @@
+"""The verify-cost curve: SmolLM2's forward at T = 1..64 new tokens, float32 against bf16 compute.
+
+    python experiments/verify_cost_curve.py [--repeats 20] [--cache-length 256] [--json out.json]
+
+For each compute dtype, the model's params are cast to it and `forward` runs T new tokens written at
+slot 100 of a `cache-length` KV cache (of the same dtype), the LM head on every new token, as a
+verify pass does. bf16 means bf16 weights, activations into every dot and KV cache, with float32
+accumulation (`models/layers.py:accumulate_in_float32`; single rows padded to two) and float32 norms,
+softmax and RoPE. Times are medians of jitted calls, measured side by side in one process, with the
+cache donated. The ratio column is each T against T=1 of the same dtype; `vs fastest step` is against
+the fastest 1-token step of either dtype, which is what a speculative step has to beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cache-length", type=int, default=256)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from specjax.io.registry import load_model
+    from specjax.models.cache import KVCache
+    from specjax.models.transformer import forward
+
+    base = load_model("smollm2")
+    results: dict[str, dict[int, float]] = {}
+    for dtype in args.dtypes.split(","):
+        config = dataclasses.replace(base.config, dtype=dtype)
+        params = jax.tree.map(lambda a: a.astype(dtype), base.params)
+
+        @jax.jit
+        def step(params, cache, tokens, positions, write_index):
+            out = forward(params, config, tokens, positions, cache, write_index)
+            return out.logits, out.cache
+
+        results[dtype] = {}
+        for num_new in SIZES:
+            tokens = jnp.ones((1, num_new), jnp.int32)
+            write_index = jnp.asarray([100], jnp.int32)
+            positions = write_index[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
+            cache = KVCache.zeros(config, 1, args.cache_length)
+            logits, cache = jax.block_until_ready(step(params, cache, tokens, positions, write_index))  # compile
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                logits, cache = jax.block_until_ready(step(params, cache, tokens, positions, write_index))
+                times.append(time.perf_counter() - start)
+            results[dtype][num_new] = 1000 * statistics.median(times)
+            print(f"{dtype:9s} T={num_new:3d} {results[dtype][num_new]:7.1f} ms", flush=True)
+
+    fastest_step = min(r[1] for r in results.values())
+    print(f"\n| T | " + " | ".join(f"{d} ms | {d} / its T=1" for d in results) + " | fastest dtype at T / fastest 1-token step |")
+    print("|---|" + "---|---|" * len(results) + "---|")
+    for num_new in SIZES:
+        cells = " | ".join(f"{r[num_new]:.1f} | {r[num_new] / r[1]:.2f}x" for r in results.values())
+        best = min(r[num_new] for r in results.values())
+        print(f"| {num_new} | {cells} | {best / fastest_step:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cache_length": args.cache_length, "repeats": args.repeats,
+                       "ms": {d: {str(t): v for t, v in r.items()} for d, r in results.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Compute precision apart from storage: bf16 inputs into every dot, float32 accumulation, and
+speculative output exact against AR at the same precision."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode.engine import Engine
+from specjax.errors import SpecjaxError
+from specjax.io.registry import LoadedModel, at_compute_dtype
+from specjax.models.cache import KVCache
+from specjax.models.layers import accumulate_in_float32
+from specjax.models.transformer import forward
+
+PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
+
+
+def test_float32_accumulation_of_bf16_inputs():
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.normal(size=(3, 5, 64)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(64, 40)), jnp.bfloat16)
+    numbers = (((2,), (0,)), ((), ()))
+    out = accumulate_in_float32(lhs, rhs, numbers)
+    assert out.dtype == jnp.float32 and out.shape == (3, 5, 40)
+    exact = np.asarray(lhs, np.float64) @ np.asarray(rhs, np.float64)
+    np.testing.assert_allclose(np.asarray(out), exact, rtol=1e-5, atol=1e-4)  # bf16 output would be ~1e-2 off
+
+
+@pytest.mark.parametrize("shape", [(64,), (1, 64), (1, 1, 64)])
+def test_a_single_row_is_padded_without_changing_it(shape):
+    """One row goes through the dot padded to two; the pad must not leak into the row kept."""
+    rng = np.random.default_rng(1)
+    lhs = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(64, 33)), jnp.bfloat16)
+    out = accumulate_in_float32(lhs, rhs, (((len(shape) - 1,), (0,)), ((), ())))
+    assert out.shape == shape[:-1] + (33,)
+    two_rows = jnp.stack([lhs.reshape(64), jnp.ones(64, jnp.bfloat16)])  # [2, 64]: a real second row
+    expected = jax.lax.dot_general(two_rows, rhs, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)[0]
+    np.testing.assert_array_equal(np.asarray(out).reshape(33), np.asarray(expected))
+
+
+def test_bf16_forward_keeps_float32_logits_and_halves_the_cache(target):
+    bf16 = at_compute_dtype(target, "bfloat16")
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(bf16.params))
+    tokens = jnp.asarray([[1, 5, 2, 7]], jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+    outputs = {}
+    for model in (target, bf16):
+        cache = KVCache.zeros(model.config, 1, 16)
+        outputs[model.config.dtype] = forward(model.params, model.config, tokens, positions, cache,
+                                              jnp.zeros((1,), jnp.int32))
+    low, high = outputs["bfloat16"], outputs["float32"]
+    assert low.logits.dtype == jnp.float32
+    assert low.cache.keys[0].dtype == jnp.bfloat16 and low.cache.keys[0].nbytes * 2 == high.cache.keys[0].nbytes
+    difference = float(jnp.max(jnp.abs(low.logits - high.logits)))
+    assert 0 < difference < 0.1 * float(jnp.max(jnp.abs(high.logits)))  # the same model, at another precision
+
+
+def test_unknown_compute_dtype_is_refused(target):
+    with pytest.raises(SpecjaxError, match="float16"):
+        at_compute_dtype(target, "float16")
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_speculation_equals_autoregressive_in_bf16(target, drafter, method):
+    engine = Engine(at_compute_dtype(target, "bfloat16"), at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
+    ar = engine.generate(PROMPTS, 30, ignore_eos=True)
+    speculative = engine.generate(PROMPTS, 30, ignore_eos=True, method=method)
+    assert speculative.tokens == ar.tokens
+    assert speculative.stats["tau"] > 1.2, "the bf16 drafter must still be accepted"
+    # Batch 1 runs single-row steps through the padded path.
+    assert engine.generate(PROMPTS[:1], 30, ignore_eos=True, method=method).tokens == ar.tokens[:1]
+
+
+def test_greedy_chain_stops_at_eos_in_bf16(target, drafter):
+    bf16 = at_compute_dtype(target, "bfloat16")
+    free = Engine(bf16).generate([PROMPTS[2]], 30, ignore_eos=True).tokens[0]
+    with_eos = LoadedModel("tiny", bf16.config, bf16.params, None, (free[9],))
+    engine = Engine(with_eos, at_compute_dtype(drafter, "bfloat16"))
+    assert engine.generate([PROMPTS[2]], 30, method="chain").tokens == engine.generate([PROMPTS[2]], 30).tokens
+    assert len(engine.generate([PROMPTS[2]], 30).tokens[0]) <= 10
+
+
+def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys):
+    """--dtype on generate: the KV bytes halve in bf16, and chain stays identical to AR at that precision."""
+    from specjax.cli import main
+
+    model, drafter = tiny_folder_with_drafter
+    base = ["generate", "--model", str(model), "--prompt-ids", "1,5,2", "--max-new-tokens", "12", "--ignore-eos",
+            "--json"]
+    runs = {}
+    for dtype, method in (("float32", "ar"), ("bfloat16", "ar"), ("bfloat16", "chain")):
+        extra = ["--drafter", str(drafter)] if method == "chain" else []
+        assert main(base + ["--dtype", dtype, "--method", method] + extra) == 0
+        runs[dtype, method] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kv = {d: runs[d, "ar"]["stats"]["memory"]["target_kv_bytes"] for d in ("float32", "bfloat16")}
+    assert kv["bfloat16"] * 2 == kv["float32"]
+    assert runs["bfloat16", "chain"]["tokens"] == runs["bfloat16", "ar"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder_with_drafter(target, drafter, tmp_path_factory):
+    from specjax.io.dflash import save_drafter
+    from specjax.io.hf import save_hf_model
+
+    root = tmp_path_factory.mktemp("precision_cli")
+    save_hf_model(root / "model", target.config, target.params)
+    save_drafter(root / "drafter", drafter.config, drafter.params, target.config)
+    return root / "model", root / "drafter"
