@@ -64,7 +64,7 @@ def main() -> None:
             print(f"{dtype:9s} T={num_new:3d} {results[dtype][num_new]:7.1f} ms", flush=True)
 
     fastest_step = min(r[1] for r in results.values())
-    print(f"\n| T | " + " | ".join(f"{d} ms | {d} / its T=1" for d in results) + " | fastest dtype at T / fastest 1-token step |")
+    print("\n| T | " + " | ".join(f"{d} ms | {d} / its T=1" for d in results) + " | fastest dtype at T / fastest 1-token step |")
     print("|---|" + "---|---|" * len(results) + "---|")
     for num_new in SIZES:
         cells = " | ".join(f"{r[num_new]:.1f} | {r[num_new] / r[1]:.2f}x" for r in results.values())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.decode.engine import Engine
+from specjax.decode.tree import TreeConfig
 from specjax.errors import SpecjaxError
 from specjax.io.registry import LoadedModel, at_compute_dtype
 from specjax.models.cache import KVCache
@@ -66,17 +67,19 @@ def test_unknown_compute_dtype_is_refused(target):
         at_compute_dtype(target, "float16")
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_autoregressive_in_bf16(target, drafter, method):
     engine = Engine(at_compute_dtype(target, "bfloat16"), at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
+    options = {"tree": TreeConfig(budget=6)} if method == "tree" else {}  # a fixed size: no latency measuring
     ar = engine.generate(PROMPTS, 30, ignore_eos=True)
-    speculative = engine.generate(PROMPTS, 30, ignore_eos=True, method=method)
+    speculative = engine.generate(PROMPTS, 30, ignore_eos=True, method=method, **options)
     assert speculative.tokens == ar.tokens
     assert speculative.stats["tau"] > 1.2, "the bf16 drafter must still be accepted"
     # Batch 1 runs single-row steps through the padded path.
-    assert engine.generate(PROMPTS[:1], 30, ignore_eos=True, method=method).tokens == ar.tokens[:1]
+    assert engine.generate(PROMPTS[:1], 30, ignore_eos=True, method=method, **options).tokens == ar.tokens[:1]
 
 
+@pytest.mark.slow
 def test_greedy_chain_stops_at_eos_in_bf16(target, drafter):
     bf16 = at_compute_dtype(target, "bfloat16")
     free = Engine(bf16).generate([PROMPTS[2]], 30, ignore_eos=True).tokens[0]
