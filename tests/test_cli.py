@@ -71,6 +71,7 @@ def test_bad_prompt_file_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.network
+@pytest.mark.slow
 def test_generate_with_real_model_text_output(capsys):
     assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()

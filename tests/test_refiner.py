@@ -140,6 +140,7 @@ def test_greedy_chain_with_refiner_equals_autoregressive(target, drafter, kind, 
     assert stats["method"] == "chain+refiner"
 
 
+@pytest.mark.slow
 def test_perturbed_refiner_really_changes_the_drafts(target, drafter):
     """Otherwise the exactness tests above would prove nothing about refined drafts."""
     engine = Engine(target, drafter, refiner=_perturbed("transformer", drafter))
@@ -148,6 +149,7 @@ def test_perturbed_refiner_really_changes_the_drafts(target, drafter):
     assert refined.stats["per_position_acceptance"] != chain.stats["per_position_acceptance"]
 
 
+@pytest.mark.slow  # the chain's and the tree's chi-square tests stay in the default suite
 @pytest.mark.parametrize("sampling,refine", [(SAMPLINGS[0], RefineConfig(2)),
                                              pytest.param(SAMPLINGS[1], RefineConfig(2, keep_confident=0.5),
                                                           marks=pytest.mark.slow)])

@@ -50,7 +50,7 @@ def test_greedy_chain_stops_at_eos_like_autoregressive(target, drafter):
     assert engine.generate(PROMPTS, 30, method="chain").tokens == engine.generate(PROMPTS, 30).tokens
 
 
-@pytest.mark.parametrize("block", [2, 3])
+@pytest.mark.parametrize("block", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_greedy_equality_holds_for_other_block_sizes(target, drafter, block):
     """A random drafter of another block size: rarely accepted, still exact."""
     config = DrafterConfig.for_target(TINY, num_layers=1, block_size=block, num_taps=2)
@@ -155,6 +155,7 @@ def test_dflash_format_round_trip_and_checks(target, drafter, tmp_path):
         load_drafter(tmp_path / "d")
 
 
+@pytest.mark.slow  # the committed SmolLM2 drafter's draft vocabulary is checked in test_smollm2
 def test_restricted_draft_vocabulary_stays_exact(target, drafter, tmp_path):
     """A drafter whose head covers only part of the vocabulary proposes only those tokens; greedy
     output is unchanged and sampling still matches the exact distribution."""

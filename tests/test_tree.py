@@ -183,7 +183,8 @@ def test_default_tree_buckets_follow_the_backend(monkeypatch):
 TREES = [TreeConfig(buckets=(2, 4, 8)), TreeConfig(budget=6), TreeConfig(shape="fixed", width=2)]
 
 
-@pytest.mark.parametrize("tree", TREES, ids=["auto", "budget6", "fixed"])
+@pytest.mark.parametrize("tree", [TREES[0]] + [pytest.param(t, marks=pytest.mark.slow) for t in TREES[1:]],
+                         ids=["auto", "budget6", "fixed"])
 def test_greedy_tree_equals_autoregressive(target, drafter, tree):
     engine = Engine(target, drafter, latency_cache=False)
     ar = engine.generate(PROMPTS, 30, ignore_eos=True)
@@ -195,6 +196,7 @@ def test_greedy_tree_equals_autoregressive(target, drafter, tree):
     assert 1 <= stats["tree_nodes_chosen"] <= max(tree.node_buckets(3))
 
 
+@pytest.mark.slow
 def test_a_tree_holding_the_chain_accepts_at_least_as_much(target, drafter):
     """The fixed-shape tree contains the drafter's greedy chain, so greedy acceptance can only grow
     (best-first trees need not contain it: they trade depth for width by path probability)."""

@@ -35,6 +35,7 @@ def with_random_compressor(drafter, window: DrafterWindow, seed: int = 0):
     return dataclasses.replace(drafter, config=config, params={**drafter.params, "compressor": compressor})
 
 
+@pytest.mark.slow  # greedy/sampled windowed decoding and the summaries-only check stay in the default suite
 def test_decode_state_reproduces_the_training_view(target, drafter):
     """Prefill ragged prompts, then commit blocks of varying length (with rejected garbage written
     past the commit): at every step the drafter's states from the bounded decode state equal those
