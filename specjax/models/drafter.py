@@ -22,8 +22,7 @@ from flax import struct
 
 from specjax.models.cache import write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, dense, dot_general_for, grouped_query_attention,
-                                   rope_tables)
+from specjax.models.layers import RMSNorm, SwiGLU, apply_rope, dense, grouped_query_attention, rope_tables
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
 
@@ -249,8 +248,7 @@ class SegmentCompressor(nn.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(states.dtype)  # [B, N, C, S]
         pooled = jnp.einsum("bncs,bnsd->bncd", weights, states, preferred_element_type=jnp.float32)
         identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], shape[1], dtype=dtype)  # noqa: E731
-        return nn.Dense(width, use_bias=False, dtype=self.dtype, dot_general=dot_general_for(self.dtype),
-                        kernel_init=identity, name="out_proj")(pooled)
+        return dense(width, False, self.dtype, "out_proj", kernel_init=identity)(pooled)
 
 
 @struct.dataclass

@@ -39,9 +39,11 @@ def dot_general_for(dtype) -> Callable:
     return jax.lax.dot_general if jnp.dtype(dtype) == jnp.float32 else accumulate_in_float32
 
 
-def dense(features: int, use_bias: bool, dtype, name: str | None = None) -> nn.Dense:
-    """A projection computing in `dtype`; in bf16 it accumulates in float32 and returns float32."""
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, dot_general=dot_general_for(dtype), name=name)
+def dense(features: int, use_bias: bool, dtype, name: str | None = None, **kwargs) -> nn.Dense:
+    """A projection computing in `dtype`; in bf16 it accumulates in float32 and returns float32.
+    kwargs go to nn.Dense (kernel_init, for example)."""
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, dot_general=dot_general_for(dtype), name=name,
+                    **kwargs)
 
 
 class RMSNorm(nn.Module):

@@ -18,8 +18,8 @@ from flax import struct
 
 from specjax.models.cache import KVCache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense, dot_general_for,
-                                   grouped_query_attention, rope_tables, sliding_masks)
+from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense,
+                                   dot_general_for, grouped_query_attention, rope_tables, sliding_masks)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
