@@ -100,38 +100,15 @@ def test_chain_with_the_committed_drafter_equals_greedy(smollm2):
     assert engine.generate(prompts[:1], 32, method="chain").tokens == ar[:1]
 
 
-def _slot1_logits(smollm2, drafter, context: str, anchors: list[int]):
-    """The drafter's slot-1 logits after the chat prompt `context`, one row per anchor token in slot 0
-    (the training forward: features of the context strictly before the anchor). -> [len(anchors), V']."""
-    import jax.numpy as jnp
-
-    from specjax.decode.autoregressive import prefill
-    from specjax.models.transformer import head_matrix
-    from specjax.train.drafter import drafter_block_logits
-
-    ids = smollm2.tokenizer.encode_chat(context)
-    rows = jnp.asarray([ids + [a] for a in anchors], jnp.int32)  # [A, P+1]
-    lengths = jnp.full((len(anchors),), len(ids) + 1, jnp.int32)
-    _, _, features = prefill(smollm2.params, smollm2.config, rows, lengths, 256,
-                             hidden_layers=drafter.config.target_layer_ids)  # [A, P+1, taps, d]
-    vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
-    logits = drafter_block_logits(drafter.params, drafter.config, smollm2.params, smollm2.config, rows, features,
-                                  jnp.full((len(anchors), 1), len(ids), jnp.int32),
-                                  head_matrix(smollm2.params, smollm2.config, vocab))  # [A, 1, K, V']
-    return logits[:, 0, 0]
-
-
-ANCHORS = ["A", "I", "The", "In", ","]
-
-
 def test_the_anchor_probe_sees_a_change_of_context(smollm2):
     """The probe below is not blind itself: a different context moves the slot-1 logits a lot."""
     from specjax.io.registry import resolve_drafter
+    from specjax.train.drafter import anchor_probe_logits
 
     drafter = resolve_drafter("default", "smollm2")
     anchor = [smollm2.tokenizer.encode("The", add_special_tokens=False)[0]]
-    a = _slot1_logits(smollm2, drafter, "Name a color.", anchor)
-    b = _slot1_logits(smollm2, drafter, "Write a poem about the sea.", anchor)
+    a = anchor_probe_logits(smollm2, drafter, "Name a color.", anchor)
+    b = anchor_probe_logits(smollm2, drafter, "Write a poem about the sea.", anchor)
     assert float(abs(a - b).max()) > 1.0
 
 
@@ -140,9 +117,7 @@ def test_the_anchor_probe_sees_a_change_of_context(smollm2):
                                        "and strict=True then asks for this marker to go")
 def test_the_committed_drafter_sees_its_anchor(smollm2):
     from specjax.io.registry import resolve_drafter
+    from specjax.train.drafter import anchor_spread
 
-    drafter = resolve_drafter("default", "smollm2")
-    anchors = [smollm2.tokenizer.encode(a, add_special_tokens=False)[0] for a in ANCHORS] + [12345]
-    logits = _slot1_logits(smollm2, drafter, "Name a color.", anchors)  # [A, V']
-    spread = float((logits.max(axis=0) - logits.min(axis=0)).max())
-    assert spread > 1.0, f"slot-1 logits move by at most {spread:.2e} across {len(anchors)} anchor tokens"
+    spread = anchor_spread(smollm2, resolve_drafter("default", "smollm2"))
+    assert spread > 1.0, f"slot-1 logits move by at most {spread:.2e} across the probe's anchor tokens"

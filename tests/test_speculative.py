@@ -250,3 +250,41 @@ def test_training_and_decoding_compute_the_same_draft(target, drafter, tmp_path)
         decoded = draft_block(target.params, TINY, drafter.params, drafter.config, tokens[:, anchor],
                               jnp.asarray([anchor]), cache, head)[0]
         np.testing.assert_allclose(np.asarray(trained), np.asarray(decoded), atol=1e-4, rtol=1e-4)
+
+
+def test_the_anchor_path_puts_the_anchor_into_every_draft_slot(target, tmp_path):
+    """With DrafterConfig.anchor_path every draft slot's input carries the anchor token, so slot 1 can
+    use it without attending to slot 0; DFlash's layout (no anchor path) gives all draft slots the
+    same input whatever the anchor. Both layouts round-trip through DFlash's format."""
+    import dataclasses
+    import json
+
+    from specjax.models.drafter import Drafter
+    from specjax.models.transformer import embed_tokens
+
+    with_path = DrafterConfig.for_target(TINY, num_layers=1, block_size=BLOCK, num_taps=2)
+    without = dataclasses.replace(with_path, anchor_path=False)
+    assert with_path.anchor_path, "new drafters get the anchor path"
+    is_mask = jnp.arange(BLOCK)[None] > 0
+
+    def draft_slot_inputs(config, params, anchor):
+        tokens = jnp.asarray([[anchor] + [0] * (BLOCK - 1)])
+        x = Drafter(config).apply({"params": params}, embed_tokens(target.params, TINY, tokens), is_mask,
+                                  method=Drafter.block_inputs)
+        return np.asarray(x[0, 1:])  # [K, d]
+
+    for config, sees in ((with_path, True), (without, False)):
+        params = init_drafter_params(config, jax.random.key(3))
+        a, b = draft_slot_inputs(config, params, 5), draft_slot_inputs(config, params, 9)
+        assert (np.abs(a - b).max(axis=-1) > 1e-3).all() == sees
+        save_drafter(tmp_path / str(sees), config, params, TINY)
+        flags = json.loads((tmp_path / str(sees) / "config.json").read_text())["dflash_config"]
+        assert flags.get("anchor_path", False) == sees
+        loaded = load_drafter(tmp_path / str(sees))
+        assert loaded.config.anchor_path == sees
+        np.testing.assert_allclose(draft_slot_inputs(loaded.config, loaded.params, 5), a, atol=1e-6)
+    # A checkpoint that claims the anchor path but lacks its tensors is refused by name.
+    (tmp_path / "False" / "config.json").write_text(json.dumps({**json.loads((tmp_path / "False" / "config.json")
+        .read_text()), "dflash_config": {**flags, "anchor_path": True}}))
+    with pytest.raises(SpecjaxError, match="missing drafter weights.*anchor_proj"):
+        load_drafter(tmp_path / "False")

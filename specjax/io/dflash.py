@@ -6,7 +6,9 @@ top-level `block_size` and `num_target_layers`, and `dflash_config: {mask_token_
 target_layer_ids}`. Tensors: `fc.weight` [d, taps·d], `hidden_norm.weight`, `norm.weight` and
 `layers.{i}.…` named as in an HF Llama/Qwen3 layer; no embedding or LM head (the target's are
 used). specjax writes its own drafters in the same format. For a target whose vocabulary has no
-spare id it adds one tensor, `mask_embedding` [d], and sets mask_token_id to null.
+spare id it adds one tensor, `mask_embedding` [d], and sets mask_token_id to null. A drafter with
+specjax's anchor path adds `anchor_proj.weight` [d, d] and `slot_embedding` [block, d], and
+`dflash_config.anchor_path: true`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _TOP = {
     "hidden_norm.weight": (("hidden_norm", "scale"), False),
     "norm.weight": (("norm", "scale"), False),
     "mask_embedding": (("mask_embedding",), False),
+    # specjax's anchor path (DrafterConfig.anchor_path); absent from DFlash's own checkpoints.
+    "anchor_proj.weight": (("anchor_proj", "kernel"), True),
+    "slot_embedding": (("slot_embedding",), False),
 }
 
 
@@ -88,6 +93,7 @@ def drafter_config_from_json(cfg: dict, source: str, has_qk_norm: bool) -> tuple
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qk_norm=has_qk_norm,
+            anchor_path=bool(dflash.get("anchor_path", False)),
         )
     except KeyError as e:
         raise SpecjaxError(f"{source}: not a DFlash drafter config, key {e.args[0]!r} is missing") from None
@@ -149,7 +155,7 @@ def load_drafter(folder: str | Path) -> LoadedDrafter:
         path, transpose = mapped
         array = array.T if transpose else array
         if path not in expected:
-            raise SpecjaxError(f"{folder}: tensor {name!r} does not fit this config (mask_token_id, qk-norm or depth)")
+            raise SpecjaxError(f"{folder}: tensor {name!r} does not fit this config (mask_token_id, qk-norm, anchor path or depth)")
         if tuple(array.shape) != expected[path]:
             raise SpecjaxError(f"{folder}: tensor {name!r} has shape {array.T.shape if transpose else array.shape}, "
                                f"config implies {expected[path][::-1] if transpose else expected[path]}")
@@ -201,7 +207,8 @@ def save_drafter(folder: str | Path, config: DrafterConfig, params, target: Tran
         "attention_bias": False,
         "block_size": config.block_size,
         "num_target_layers": target.num_layers,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          **({"anchor_path": True} if config.anchor_path else {})},
         "layer_types": ["full_attention"] * config.num_layers,
         "sliding_window": None,
         "dtype": "bfloat16" if dtype == "bfloat16" else "float32",

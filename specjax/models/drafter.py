@@ -95,6 +95,12 @@ class DrafterConfig:
     window: DrafterWindow | None = None
     """Sliding-window drafting with summary tokens (needs trained compressor params under
     params["compressor"]); None attends to the whole context."""
+    anchor_path: bool = False
+    """Add a learned projection of the anchor token's embedding (identity at init) and a learned
+    per-slot vector to every draft slot's input. Without it the anchor reaches the draft slots only
+    through attention, as one key among the whole context: a start from the target's top layer gives
+    it 0.4% of slot 1's attention, and training drove that to zero (experiments/anchor_attention.py).
+    False reads DFlash checkpoints, which have no such tensors."""
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -121,9 +127,10 @@ class DrafterConfig:
 
     @classmethod
     def for_target(cls, target: TransformerConfig, num_layers: int = 1, block_size: int = 16,
-                   num_taps: int = 4, mask_token_id: int | None = None) -> "DrafterConfig":
+                   num_taps: int = 4, mask_token_id: int | None = None, anchor_path: bool = True) -> "DrafterConfig":
         """A drafter shaped like one target layer, tapping num_taps layers spread evenly from layer 1
-        to layer n-3, as DFlash does (the very last layers are too specialised to the next token)."""
+        to layer n-3, as DFlash does (the very last layers are too specialised to the next token).
+        New drafters get the anchor path."""
         first, last = 1, max(target.num_layers - 3, 1)
         taps = tuple(sorted({round(first + i * (last - first) / max(num_taps - 1, 1)) for i in range(num_taps)}))
         return cls(
@@ -131,7 +138,7 @@ class DrafterConfig:
             num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
             head_dim=target.head_dim, intermediate_size=target.intermediate_size, block_size=block_size,
             mask_token_id=mask_token_id, rope_theta=target.rope_theta, rms_norm_eps=target.rms_norm_eps,
-            qk_norm=target.qk_norm, dtype=target.dtype,
+            qk_norm=target.qk_norm, dtype=target.dtype, anchor_path=anchor_path,
         )
 
     def check_target(self, target: TransformerConfig) -> None:
@@ -147,6 +154,11 @@ class DrafterConfig:
             raise SpecjaxError(f"drafter taps target layer {bad[0]}, but the target has {target.num_layers} layers")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
             raise SpecjaxError(f"mask token id {self.mask_token_id} is outside the target vocabulary")
+
+
+def identity_init(key, shape, dtype=jnp.float32):
+    """A square kernel that starts as the identity map."""
+    return jnp.eye(shape[0], shape[1], dtype=dtype)
 
 
 class DrafterLayer(nn.Module):
@@ -247,8 +259,7 @@ class SegmentCompressor(nn.Module):
                             preferred_element_type=jnp.float32) * width**-0.5
         weights = jax.nn.softmax(scores, axis=-1).astype(states.dtype)  # [B, N, C, S]
         pooled = jnp.einsum("bncs,bnsd->bncd", weights, states, preferred_element_type=jnp.float32)
-        identity = lambda key, shape, dtype=jnp.float32: jnp.eye(shape[0], shape[1], dtype=dtype)  # noqa: E731
-        return dense(width, False, self.dtype, "out_proj", kernel_init=identity)(pooled)
+        return dense(width, False, self.dtype, "out_proj", kernel_init=identity_init)(pooled)
 
 
 @struct.dataclass
@@ -286,6 +297,10 @@ class Drafter(nn.Module):
             self.mask_embedding = self.param("mask_embedding", nn.initializers.normal(0.02), (cfg.hidden_size,))
         if cfg.window is not None:
             self.compressor = SegmentCompressor(cfg.window.summaries, dtype)
+        if cfg.anchor_path:
+            self.anchor_proj = dense(cfg.hidden_size, False, dtype, kernel_init=identity_init)
+            self.slot_embedding = self.param("slot_embedding", nn.initializers.zeros,
+                                             (cfg.block_size, cfg.hidden_size))
 
     def context_states(self, features):
         """features: [B, C, n_taps, d] target hidden states -> [B, C, d] pre-norm context states
@@ -324,10 +339,21 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     def block_inputs(self, token_embeds, is_mask):
-        """token_embeds: [B, Q, d]; is_mask: [B, Q] bool -> [B, Q, d] with mask slots replaced."""
-        if self.config.mask_token_id is not None:
-            return token_embeds  # the caller embedded mask_token_id already
-        return jnp.where(is_mask[..., None], self.mask_embedding.astype(token_embeds.dtype), token_embeds)
+        """token_embeds: [B, Q, d], Q a whole number of blocks, each starting with its anchor's
+        embedding; is_mask: [B, Q] bool -> [B, Q, d] with mask slots replaced and, with the anchor
+        path, every draft slot given its block's projected anchor and its slot vector."""
+        cfg = self.config
+        x = token_embeds  # with mask_token_id the caller embedded the mask token already
+        if cfg.mask_token_id is None:
+            x = jnp.where(is_mask[..., None], self.mask_embedding.astype(x.dtype), x)
+        if not cfg.anchor_path:
+            return x
+        batch, length, width = x.shape
+        blocks = x.reshape(batch, length // cfg.block_size, cfg.block_size, width)  # [B, N, Bk, d]
+        anchor = self.anchor_proj(blocks[:, :, :1])  # [B, N, 1, d]
+        is_draft_slot = (jnp.arange(cfg.block_size) > 0)[:, None]  # [Bk, 1]
+        extra = jnp.where(is_draft_slot, anchor + self.slot_embedding, 0).astype(x.dtype)
+        return (blocks + extra).reshape(batch, length, width)
 
     def __call__(self, x, positions, context_k, context_v, mask, write_index=None):
         """x: [B, Q, d] block inputs; returns final-normalised states [B, Q, d] for the LM head."""

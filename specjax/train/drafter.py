@@ -398,3 +398,30 @@ def init_from_target_layers(drafter_params, target_params, layer_ids: Sequence[i
         dst["post_attention_layernorm"] = src["post_attention_layernorm"]
         out[f"layers_{i}"] = dst
     return out
+
+
+def anchor_probe_logits(model, drafter, context: str, anchors: Sequence[int]):
+    """A drafter's slot-1 logits after the chat prompt `context`, one row per anchor token in slot 0,
+    through the training forward (context features strictly before the anchor): [len(anchors), V'].
+    A drafter whose rows barely differ ignores its anchor and must guess two tokens ahead.
+    model: a LoadedModel with a tokenizer; drafter: a LoadedDrafter."""
+    from specjax.decode.autoregressive import prefill
+
+    ids = model.tokenizer.encode_chat(context)
+    rows = jnp.asarray([ids + [a] for a in anchors], jnp.int32)  # [A, P+1]
+    lengths = jnp.full((len(anchors),), len(ids) + 1, jnp.int32)
+    _, _, features = prefill(model.params, model.config, rows, lengths, len(ids) + 1,
+                             hidden_layers=drafter.config.target_layer_ids)  # [A, P+1, taps, d]
+    vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
+    logits = drafter_block_logits(drafter.params, drafter.config, model.params, model.config, rows, features,
+                                  jnp.full((len(anchors), 1), len(ids), jnp.int32),
+                                  head_matrix(model.params, model.config, vocab))  # [A, 1, K, V']
+    return logits[:, 0, 0]
+
+
+def anchor_spread(model, drafter, context: str = "Name a color.", anchors: Sequence[str] = ("A", "I", "The", "In", ",")):
+    """The largest change in any slot-1 logit across anchor tokens (the words given, plus one rare
+    id): near 0 for a drafter blind to its anchor."""
+    ids = [model.tokenizer.encode(a, add_special_tokens=False)[0] for a in anchors] + [12345]
+    logits = anchor_probe_logits(model, drafter, context, ids)
+    return float((logits.max(axis=0) - logits.min(axis=0)).max())

@@ -41,6 +41,8 @@ class DistillRecipe:
     LM head dominates a small drafter's cost, so this cuts training and drafting time about 3x."""
     init_from_target: bool = True
     """Start the drafter's layers as copies of the target's top layers."""
+    anchor_path: bool = True
+    """Give every draft slot the projected anchor embedding (DrafterConfig.anchor_path)."""
     steps: int = 3000
     """Optimizer steps."""
     learning_rate: float = 1e-3
@@ -142,7 +144,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     out_dir = Path(out_dir)
     model = load_model(model_name)
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
-                                      num_taps=recipe.num_taps)
+                                      num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
     (out_dir).mkdir(parents=True, exist_ok=True)
     (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
     sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids)
