@@ -27,7 +27,7 @@ class DistillRecipe:
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
-    """Prompts decoded together while generating continuations."""
+    """Rows decoded together while generating continuations (finished rows are refilled)."""
     corpora: tuple[str, ...] = ("austen", "shakespeare", "kjv", "gutenberg_novels", "python_stdlib")
     """Training-split corpora for prompts and windows."""
     num_layers: int = 1
@@ -79,8 +79,8 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
     from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, everyday_chat_prompts, training_chat_prompts
-    from specjax.decode.engine import Engine
     from specjax.train.drafter import DistillationSet, build_distillation_set
+    from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
 
     if model.tokenizer is None:
         raise SpecjaxError("the target has no tokenizer; distillation needs text prompts")
@@ -89,21 +89,24 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
     def done(folder: Path) -> bool:
         return (folder / "meta.json").exists()
 
-    engine = Engine(model)
+    # Prompts longer than half a sequence are skipped, not cut: a cut prompt loses the chat
+    # template's closing "assistant" turn.
+    generator = GeneratorConfig(batch_size=recipe.generate_batch, max_prompt_tokens=recipe.seq_len // 2,
+                                max_new_tokens=recipe.seq_len - recipe.seq_len // 2,
+                                refill_rows=max(1, recipe.generate_batch // 4))
 
     def continuations(prompts: list[str], folder: Path, what: str):
         if done(folder):
             return DistillationSet.open(folder)
-        # Prompts longer than half a sequence are dropped, not cut: a cut prompt loses the chat
-        # template's closing "assistant" turn. A fixed continuation length keeps one compilation.
-        ids = [i for i in (tok.encode_chat(p) for p in prompts) if len(i) <= recipe.seq_len // 2]
-        new_tokens = recipe.seq_len - recipe.seq_len // 2
-        sequences = []
-        from tqdm.auto import tqdm
-        for begin in tqdm(range(0, len(ids), recipe.generate_batch), desc=f"{what}: target continuations", unit="batch"):
-            chunk = ids[begin : begin + recipe.generate_batch]
-            out = engine.generate(chunk, new_tokens).tokens
-            sequences += [(p + o, len(p)) for p, o in zip(chunk, out)]
+        ids = [tok.encode_chat(p) for p in prompts]
+        _log(f"{what}: greedy continuations of {len(ids)} prompts ({generator.batch_size} rows, refilled as they finish)")
+        path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
+        report = generate_continuations(model.params, model.config, ids, path, generator, model.eos_token_ids)
+        if report.sequences:
+            _log(f"{what}: {report.new_tokens:,} new tokens at {report.tokens_per_s:.0f} tokens/s"
+                 + (f"; {report.skipped_long_prompts} prompts too long, skipped" if report.skipped_long_prompts else ""))
+        found = read_continuations(path)
+        sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
         return build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
                                       teacher_labels=False)
 

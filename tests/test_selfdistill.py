@@ -1,0 +1,71 @@
+"""The continuous-refill self-distillation generator: each continuation equals the target's own
+greedy output for that prompt, rows are refilled as they finish, and an interrupted run resumes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specjax.decode.engine import Engine
+from specjax.errors import SpecjaxError
+from specjax.io.registry import LoadedModel
+from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
+
+from test_decode import TINY
+
+GEN = GeneratorConfig(batch_size=4, max_prompt_tokens=8, max_new_tokens=12, steps_per_sync=3, refill_rows=2)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, size=int(rng.integers(1, 9))).tolist() for _ in range(count)]
+
+
+def _with_eos(target):
+    """The tiny target with an EOS id that its greedy continuations hit at different steps."""
+    return LoadedModel("tiny", TINY, target.params, None, (3,))
+
+
+def test_each_continuation_is_the_targets_greedy_output(target, tmp_path):
+    model = _with_eos(target)
+    prompts = _prompts(11) + [[1] * 9]  # the last is longer than max_prompt_tokens
+    report = generate_continuations(model.params, TINY, prompts, tmp_path / "c.jsonl", GEN, model.eos_token_ids,
+                                    progress=False)
+    found = read_continuations(tmp_path / "c.jsonl")
+    assert sorted(found) == list(range(11)) and report.skipped_long_prompts == 1
+    expected = Engine(model).generate(prompts[:11], GEN.max_new_tokens).tokens
+    lengths = set()
+    for i in range(11):
+        prompt, generated = found[i]
+        assert prompt == prompts[i]
+        assert generated == expected[i], f"prompt {i}"
+        lengths.add(len(generated))
+    # EOS ended rows at different lengths, so rows were refilled while others decoded.
+    assert len(lengths) > 1 and min(lengths) < GEN.max_new_tokens
+    assert report.new_tokens == sum(len(g) for _, g in found.values()) and report.sequences == 11
+
+
+def test_an_interrupted_run_resumes_without_redoing_finished_prompts(target, tmp_path):
+    model = _with_eos(target)
+    prompts = _prompts(7, seed=1)
+    path = tmp_path / "c.jsonl"
+    generate_continuations(model.params, TINY, prompts[:4], path, GEN, model.eos_token_ids, progress=False)
+    with path.open("a") as f:
+        f.write('{"index": 5, "prompt": [1, 2')  # a line cut short by the interruption
+    report = generate_continuations(model.params, TINY, prompts, path, GEN, model.eos_token_ids, progress=False)
+    assert report.sequences == 3
+    found = read_continuations(path)
+    assert sorted(found) == list(range(7))
+    expected = Engine(model).generate(prompts, GEN.max_new_tokens).tokens
+    assert [found[i][1] for i in range(7)] == expected
+    indices = [json.loads(line)["index"] for line in path.read_text().splitlines()]
+    assert sorted(indices) == list(range(7)), "every prompt appears once, and the cut line is gone"
+
+
+def test_bad_generator_shapes_are_refused():
+    with pytest.raises(SpecjaxError, match="refill_rows"):
+        GeneratorConfig(batch_size=2, refill_rows=4)
+    with pytest.raises(SpecjaxError, match="steps_per_sync"):
+        GeneratorConfig(steps_per_sync=0)
