@@ -441,6 +441,8 @@ def cmd_train_drafter(args) -> int:
     from specjax.train.recipe import DistillRecipe, train_drafter_recipe
 
     recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
+                           everyday_prompts=args.everyday_prompts, math_prompts=args.math_prompts,
+                           code_prompts=args.code_prompts,
                            seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
@@ -623,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--out", required=True, help="run folder: data/, run/ (checkpoints, metrics), drafter/")
     td.add_argument("--chat-prompts", type=int, default=512, help="self-distillation prompts from the corpora")
     td.add_argument("--corpus-sequences", type=int, default=512, help="teacher-forced corpus windows")
+    td.add_argument("--everyday-prompts", type=int, default=0, help="self-distillation everyday requests")
+    td.add_argument("--math-prompts", type=int, default=0, help="self-distillation templated math word problems")
+    td.add_argument("--code-prompts", type=int, default=0, help="self-distillation templated programming requests")
     td.add_argument("--seq-len", type=int, default=256)
     td.add_argument("--layers", type=int, default=1)
     td.add_argument("--block-size", type=int, default=16)

@@ -21,3 +21,33 @@ def test_corpus_passage_prompts_quote_their_documents():
     prompts = training_chat_prompts(docs, 50, seed=1)
     assert len(prompts) == 50 and prompts == training_chat_prompts(docs, 50, seed=1)
     assert all("word" in p or "import os" in p for p in prompts)
+
+
+def test_math_and_code_prompts_are_reproducible_and_varied():
+    from specjax.data.prompts import code_task_prompts, math_word_prompts
+
+    math = math_word_prompts(500, seed=3)
+    assert math == math_word_prompts(500, seed=3) and math != math_word_prompts(500, seed=4)
+    assert len(set(math)) > 450 and all(re.search(r"\d", p) for p in math)
+    code = code_task_prompts(300, seed=3)
+    assert code == code_task_prompts(300, seed=3) and len(set(code)) > 60
+
+
+def _word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_the_heldout_set_is_disjoint_from_every_training_prompt_kind():
+    from specjax.data import prompts as p
+
+    heldout = p.heldout_prompts()
+    assert len(heldout) >= 100 and len(set(heldout)) == len(heldout)
+    assert all(len(p.heldout_prompts(c)) == 30 for c in p.HELDOUT_CATEGORIES)
+    training = p.everyday_chat_prompts(3000, seed=0) + p.math_word_prompts(3000, seed=0) + p.code_task_prompts(1000, 0)
+    seen = set().union(*(_word_runs(t) for t in training))
+    openings = [t.split("{")[0].strip() for t in p._TEMPLATES_PROSE + p._TEMPLATES_CODE + p._CODE_TEMPLATES]
+    for prompt in heldout:
+        assert not _word_runs(prompt) & seen, f"shares an 8-word run with a training prompt: {prompt!r}"
+        assert not any(prompt.startswith(o) for o in openings), f"opens like a training template: {prompt!r}"
+        assert prompt not in HELDOUT_CHAT_PROMPTS

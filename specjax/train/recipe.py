@@ -24,6 +24,10 @@ class DistillRecipe:
     """Teacher-forced windows of corpus text."""
     everyday_prompts: int = 0
     """Self-distillation prompts of the held-out prompts' kind (everyday requests on other topics)."""
+    math_prompts: int = 0
+    """Self-distillation prompts: templated arithmetic word problems."""
+    code_prompts: int = 0
+    """Self-distillation prompts: templated small programming requests."""
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
@@ -56,15 +60,16 @@ class DistillRecipe:
 
     def __post_init__(self):
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
-                       everyday_prompts=self.everyday_prompts, draft_vocab_size=self.draft_vocab_size)
+                       everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
+                       code_prompts=self.code_prompts, draft_vocab_size=self.draft_vocab_size)
         check_at_least(1, seq_len=self.seq_len, generate_batch=self.generate_batch, layers=self.num_layers,
                        taps=self.num_taps, steps=self.steps, sequences_per_batch=self.sequences_per_batch,
                        anchors_per_sequence=self.anchors_per_sequence)
         check_at_least(2, block_size=self.block_size)
         check_positive_finite(learning_rate=self.learning_rate)
-        if self.chat_prompts + self.corpus_sequences + self.everyday_prompts == 0:
-            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences and "
-                               "everyday_prompts are all 0")
+        if self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts == 0:
+            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, everyday_prompts, "
+                               "math_prompts and code_prompts are all 0")
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)
@@ -78,7 +83,8 @@ def _coverage(data, draft_vocab) -> float:
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
-    from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, everyday_chat_prompts, training_chat_prompts
+    from specjax.data.prompts import (HELDOUT_CHAT_PROMPTS, code_task_prompts, everyday_chat_prompts, math_word_prompts,
+                                      training_chat_prompts)
     from specjax.train.drafter import DistillationSet, build_distillation_set
     from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
 
@@ -115,6 +121,10 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
     if recipe.everyday_prompts:
         sets.append(continuations(everyday_chat_prompts(recipe.everyday_prompts, recipe.seed), out_dir / "everyday",
                                   "everyday chat"))
+    for count, make, name in ((recipe.math_prompts, math_word_prompts, "math"),
+                              (recipe.code_prompts, code_task_prompts, "code")):
+        if count:
+            sets.append(continuations(make(count, recipe.seed), out_dir / name, f"{name} tasks"))
     heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
     corpus_dir = out_dir / "corpus"
     if recipe.corpus_sequences:

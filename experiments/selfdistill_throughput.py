@@ -1,0 +1,68 @@
+"""Self-distillation throughput (issue 14, item 5): new tokens per second of the target's greedy
+continuations, with the batch decoded to completion (Engine.generate, what the recipe used before)
+against the continuous-refill generator (specjax.train.selfdistill), at each precision asked for,
+on the same prompts, in one process. Compilation is excluded: each configuration first runs once
+on a few prompts of the same shapes.
+
+    python experiments/selfdistill_throughput.py [--prompts 96] [--batch 32,64] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=96)
+    parser.add_argument("--batch", default="32,64", help="comma-separated row counts")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--steps-per-sync", type=int, default=16)
+    args = parser.parse_args()
+
+    from specjax.data.corpora import load_split
+    from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
+    from specjax.decode.engine import Engine
+    from specjax.io.registry import at_compute_dtype, load_model
+    from specjax.train.selfdistill import GeneratorConfig, generate_continuations
+
+    base = load_model("smollm2")
+    docs, _ = load_split(("austen", "shakespeare", "kjv", "python_stdlib"))
+    quarter = args.prompts // 4
+    texts = (training_chat_prompts(docs, quarter, 1) + everyday_chat_prompts(quarter, 1) + math_word_prompts(quarter, 1)
+             + code_task_prompts(args.prompts - 3 * quarter, 1))
+    prompts = [ids for ids in (base.tokenizer.encode_chat(t) for t in texts) if len(ids) <= 128]
+    print(f"{len(prompts)} prompts (of {len(texts)}; longer than 128 tokens dropped), up to {args.new_tokens} new tokens")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        model = at_compute_dtype(base, dtype)
+        for batch in (int(b) for b in args.batch.split(",")):
+            engine = Engine(model)
+            engine.generate(prompts[:batch], args.new_tokens)  # compile
+            started, new = time.perf_counter(), 0
+            for begin in range(0, len(prompts), batch):
+                out = engine.generate(prompts[begin : begin + batch], args.new_tokens)
+                new += sum(len(t) for t in out.tokens)
+            rows.append((dtype, batch, "whole batches (Engine.generate)", new, time.perf_counter() - started))
+            gen = GeneratorConfig(batch_size=batch, max_prompt_tokens=128, max_new_tokens=args.new_tokens,
+                                  steps_per_sync=args.steps_per_sync, refill_rows=max(1, batch // 4))
+            with tempfile.TemporaryDirectory() as tmp:
+                generate_continuations(model.params, model.config, prompts[:2], Path(tmp) / "warm.jsonl", gen,
+                                       model.eos_token_ids, progress=False)
+                report = generate_continuations(model.params, model.config, prompts, Path(tmp) / "c.jsonl", gen,
+                                                model.eos_token_ids, progress=False)
+            rows.append((dtype, batch, "continuous refill (selfdistill)", report.new_tokens, report.seconds))
+            for row in rows[-2:]:
+                print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
+    print("\n| dtype | rows | generator | new tokens | seconds | new tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for dtype, batch, how, new, seconds in rows:
+        print(f"| {dtype} | {batch} | {how} | {new} | {seconds:.1f} | {new / seconds:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
