@@ -120,12 +120,11 @@ def _tokenize(ids: list[list[int]] | None, texts: list[str] | None, args, model)
 def cmd_generate(args) -> int:
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
-    from specjax.io.registry import compute_dtype, load_model
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     _check_decode_args(args, [args.method])
     ids, texts = _read_prompts(args)
-    model = load_model(args.model, compute_dtype(args.dtype))
+    model = _load_target(args)
     prompts = _tokenize(ids, texts, args, model)
     drafter = _drafter_for(args, model)
     refiner = _refiner_for(args, model)
@@ -205,7 +204,7 @@ def cmd_memory(args) -> int:
     import dataclasses
 
     from specjax.io.dflash import check_pair
-    from specjax.io.registry import at_compute_dtype, compute_dtype, load_model, resolve_compressor, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, resolve_compressor, resolve_drafter
     from specjax.models.drafter import DrafterWindow, init_compressor_params
     from specjax.monitor.memory import memory_report, plot_memory_report
 
@@ -221,7 +220,7 @@ def cmd_memory(args) -> int:
             raise SpecjaxError(f"{flag} must be >= {least}, got {value}")
     if not args.json:  # before the minutes of measuring, not after
         check_output_file(args.plot, "--plot")
-    model = load_model(args.model, compute_dtype(args.dtype))
+    model = _load_target(args)
     if max(contexts) > model.config.max_position_embeddings:
         print(f"specjax: note: {max(contexts)} tokens exceed {model.name}'s max_position_embeddings "
               f"{model.config.max_position_embeddings}; sizes are still exact", file=sys.stderr)
@@ -331,7 +330,6 @@ def cmd_bench(args) -> int:
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
-    from specjax.io.registry import compute_dtype, load_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -340,7 +338,7 @@ def cmd_bench(args) -> int:
         raise SpecjaxError(f"--repeats must be >= 1, got {args.repeats}")
     texts = (_read_prompt_file(args.prompts_file, "--prompts-file") if args.prompts_file
              else list(HELDOUT_CHAT_PROMPTS))
-    model = load_model(args.model, compute_dtype(args.dtype))
+    model = _load_target(args)
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
@@ -361,12 +359,12 @@ def cmd_demo(args) -> int:
     from specjax.data.prompts import DEMO_PROMPTS
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
-    from specjax.io.registry import (DEFAULT_REFINERS, at_compute_dtype, compute_dtype, load_model, resolve_drafter,
+    from specjax.io.registry import (DEFAULT_REFINERS, at_compute_dtype, resolve_drafter,
                                      resolve_refiner)
 
     if args.max_new_tokens < 1:
         raise SpecjaxError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    model = load_model(DEFAULT_MODEL, compute_dtype(args.dtype))
+    model = _load_target(args, DEFAULT_MODEL)
     drafter = at_compute_dtype(resolve_drafter("default", DEFAULT_MODEL), model.config.dtype)
     has_refiner = (DEFAULT_REFINERS[DEFAULT_MODEL] / "config.json").exists()
     refiner = resolve_refiner("default", DEFAULT_MODEL) if has_refiner else None
@@ -506,6 +504,17 @@ def _add_dtype_option(parser) -> None:
                         help="compute precision of the target and drafter: bf16 inputs to every dot with "
                              "float32 accumulation, or float32; auto = the fastest precision measured exact "
                              "on this backend (float32 for now, see BENCHMARKS.md)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="storage precision of the target's KV cache; auto = the compute precision. "
+                             "bfloat16 under float32 compute halves the cache and stays exact against AR "
+                             "with the same setting")
+
+
+def _load_target(args, name: str | None = None):
+    """The target at the precision --dtype and --kv-dtype ask for."""
+    from specjax.io.registry import compute_dtype, load_model, with_kv_dtype
+
+    return with_kv_dtype(load_model(name or args.model, compute_dtype(args.dtype)), args.kv_dtype)
 
 
 def _add_window_options(parser) -> None:

@@ -103,7 +103,38 @@ def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys)
         runs[dtype, method] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     kv = {d: runs[d, "ar"]["stats"]["memory"]["target_kv_bytes"] for d in ("float32", "bfloat16")}
     assert kv["bfloat16"] * 2 == kv["float32"]
+    assert main(base + ["--dtype", "float32", "--kv-dtype", "bfloat16"]) == 0
+    small_cache = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["memory"]
+    assert small_cache["target_kv_bytes"] == kv["bfloat16"]
     assert runs["bfloat16", "chain"]["tokens"] == runs["bfloat16", "ar"]["tokens"]
+
+
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+def test_a_bf16_kv_cache_under_float32_compute_stays_exact(target, drafter, method):
+    """The KV cache stored in bf16 while everything computes in float32: half the cache, and greedy
+    speculative output still identical to AR with the same cache, at batch 3 and batch 1."""
+    from specjax.io.registry import with_kv_dtype
+
+    small_cache = with_kv_dtype(target, "bfloat16")
+    assert small_cache.config.dtype == "float32" and small_cache.config.cache_dtype == "bfloat16"
+    assert with_kv_dtype(target, "auto").config.cache_dtype == "float32"
+    cache = KVCache.zeros(small_cache.config, 1, 16)
+    assert cache.keys[0].dtype == jnp.bfloat16
+    engine = Engine(small_cache, drafter, latency_cache=False)
+    options = {"tree": TreeConfig(budget=6)} if method == "tree" else {}
+    ar = engine.generate(PROMPTS, 30, ignore_eos=True)
+    speculative = engine.generate(PROMPTS, 30, ignore_eos=True, method=method, **options)
+    assert speculative.tokens == ar.tokens and speculative.stats["tau"] > 1.2
+    assert engine.generate(PROMPTS[:1], 30, ignore_eos=True, method=method, **options).tokens == ar.tokens[:1]
+    assert ar.stats["memory"]["target_kv_bytes"] * 2 == \
+        Engine(target, drafter, latency_cache=False).generate(PROMPTS, 30).stats["memory"]["target_kv_bytes"]
+    # Rounding K/V is a real change of the model, not a no-op: its logits move.
+    tokens, positions = jnp.asarray([[1, 5, 2, 7]]), jnp.arange(4, dtype=jnp.int32)[None]
+    logits = [forward(m.params, m.config, tokens, positions, KVCache.zeros(m.config, 1, 8), jnp.zeros((1,), jnp.int32))
+              .logits for m in (target, small_cache)]
+    assert float(jnp.max(jnp.abs(logits[0] - logits[1]))) > 0
+    with pytest.raises(SpecjaxError, match="KV-cache dtype"):
+        with_kv_dtype(target, "float16")
 
 
 @pytest.fixture(scope="module")

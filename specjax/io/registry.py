@@ -224,6 +224,15 @@ def compute_dtype(choice: str) -> str:
     return choice
 
 
+def with_kv_dtype(loaded, kv_dtype: str):
+    """A loaded target whose KV cache is stored in kv_dtype ("auto": the compute dtype)."""
+    if kv_dtype == "auto":
+        kv_dtype = None
+    elif kv_dtype not in COMPUTE_DTYPES:
+        raise SpecjaxError(f"unknown KV-cache dtype {kv_dtype!r}; available: auto, {', '.join(COMPUTE_DTYPES)}")
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, kv_dtype=kv_dtype))
+
+
 def at_compute_dtype(loaded, dtype: str):
     """A model or drafter (anything with .config.dtype and .params) that computes in `dtype`: its params
     are stored in it, and every dot takes it as input (bf16 accumulates in float32). The target is

@@ -29,7 +29,7 @@ class KVCache:
     @classmethod
     def zeros(cls, config: TransformerConfig, batch_size: int, max_length: int, dtype=None) -> "KVCache":
         """An empty cache for max_length positions; sliding layers get rings when the config asks."""
-        dtype = dtype or jnp.dtype(config.dtype)
+        dtype = dtype or jnp.dtype(config.cache_dtype)
         shape = lambda i: (batch_size, config.layer_cache_slots(i, max_length), config.num_kv_heads, config.head_dim)
         return cls(
             keys=tuple(jnp.zeros(shape(i), dtype) for i in range(config.num_layers)),

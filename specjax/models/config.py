@@ -90,6 +90,10 @@ class TransformerConfig:
     """HF architecture name, kept for error messages and for saving."""
     dtype: str = "float32"
     """Compute dtype of activations. float32 is the fast choice on CPU."""
+    kv_dtype: str | None = None
+    """Storage dtype of the KV cache; None stores it in the compute dtype. bfloat16 under float32
+    compute halves the cache: new keys and values are rounded to it before anyone attends to them,
+    so a token's K/V are the same numbers in the step that makes it and in every later read."""
     attention: str = "xla"
     """Attention implementation: "xla" (dense masked attention over every cache slot) or "pallas"
     (the tree-attention kernel in specjax/pallas_kernels, which skips cache blocks past each row's
@@ -177,6 +181,11 @@ class TransformerConfig:
         per_layer = attn + 3 * d * f + norms + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's storage dtype (kv_dtype, or the compute dtype)."""
+        return self.kv_dtype or self.dtype
 
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """Bytes of K and V cache one more token of context adds across all layers, once the context

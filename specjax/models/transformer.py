@@ -49,11 +49,14 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, cfg.norm_unit_offset, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, T, H, D], [B, T, K, D]
-        # Projections accumulate in float32; attention and the cache take the compute dtype again.
-        q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+        # Projections accumulate in float32; attention takes the compute dtype again. K/V are first
+        # rounded to the cache's dtype, so new tokens see each other as later steps will see them.
+        kv_dtype = jnp.dtype(cfg.cache_dtype)
+        q, k, v = q.astype(dtype), k.astype(kv_dtype).astype(dtype), v.astype(kv_dtype).astype(dtype)
         scores = cfg.attention_scores()
         if self.window is not None:
-            out = self._sliding(q, k, v, cached_k, cached_v, write_index, mask, positions, empty_cache)
+            out = self._sliding(q, k, v, cached_k.astype(dtype), cached_v.astype(dtype), write_index, mask, positions,
+                                empty_cache)
             # Written after reading: the ring may hold fewer slots than the new tokens reach back.
             cached_k = write_ring(cached_k, k, write_index, valid_lengths)  # [B, R, K, D]
             cached_v = write_ring(cached_v, v, write_index, valid_lengths)
@@ -64,10 +67,11 @@ class Attention(nn.Module):
                 if block_mask is None:
                     block_mask = causal_block_mask(batch, num_new)
                 # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
-                out = tree_attention_op(q, cached_k, cached_v, write_index, k, v, block_mask,
-                                        implementation="pallas", scores=scores)  # [B, T, H, D]
+                out = tree_attention_op(q, cached_k.astype(dtype), cached_v.astype(dtype), write_index, k, v,
+                                        block_mask, implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
-                out = grouped_query_attention(q, cached_k, cached_v, mask, scores)  # [B, T, H, D]
+                out = grouped_query_attention(q, cached_k.astype(dtype), cached_v.astype(dtype), mask,
+                                              scores)  # [B, T, H, D]
         out = dense(cfg.hidden_size, cfg.attention_bias, dtype, "o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )

@@ -76,7 +76,7 @@ def measured_peak_bytes(compiled=None) -> tuple[int | None, str]:
 def decode_memory(target_config: TransformerConfig, drafter_config, batch: int, cache_length: int,
                   compiled=None) -> dict:
     """The memory part of a generate call's stats (see the module docstring); also logged at INFO."""
-    layer_bytes = jax.numpy.dtype(target_config.dtype).itemsize
+    layer_bytes = jax.numpy.dtype(target_config.cache_dtype).itemsize
     out = {"cache_length": cache_length,
            "target_kv_bytes": target_kv_bytes(target_config, batch, cache_length),
            "target_kv_bytes_per_token": target_config.kv_bytes_per_token(layer_bytes),
