@@ -112,12 +112,18 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             _log(f"{what}: {report.new_tokens:,} new tokens at {report.tokens_per_s:.0f} tokens/s"
                  + (f"; {report.skipped_long_prompts} prompts too long, skipped" if report.skipped_long_prompts else ""))
         found = read_continuations(path)
+        if not found:
+            raise SpecjaxError(f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
+                               f"(half of the sequence length {recipe.seq_len}); raise --seq-len")
         sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
         return build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
                                       teacher_labels=False)
 
     train_docs, _ = load_split(recipe.corpora)
-    sets = [continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed), out_dir / "chat", "chat")]
+    sets = []
+    if recipe.chat_prompts:
+        sets.append(continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed), out_dir / "chat",
+                                  "chat"))
     if recipe.everyday_prompts:
         sets.append(continuations(everyday_chat_prompts(recipe.everyday_prompts, recipe.seed), out_dir / "everyday",
                                   "everyday chat"))

@@ -46,11 +46,14 @@ class GeneratorConfig:
     """Greedy steps the device runs between two host syncs."""
     refill_rows: int = 16
     """Rows prefilled per insert call (a fixed shape; a partly used call pads)."""
+    prompt_bucket: int = 32
+    """Insert calls pad their prompts to the next multiple of this (at most max_prompt_tokens), so a
+    batch of short prompts is not prefilled at full width; one compilation per width."""
 
     def __post_init__(self):
         check_at_least(1, batch_size=self.batch_size, max_prompt_tokens=self.max_prompt_tokens,
                        max_new_tokens=self.max_new_tokens, steps_per_sync=self.steps_per_sync,
-                       refill_rows=self.refill_rows)
+                       refill_rows=self.refill_rows, prompt_bucket=self.prompt_bucket)
         if self.refill_rows > self.batch_size:
             raise SpecjaxError(f"refill_rows ({self.refill_rows}) cannot exceed batch_size ({self.batch_size})")
 
@@ -200,7 +203,8 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
     finished = read_continuations(out_path)
     todo = [i for i in range(len(prompts)) if i not in finished]
     too_long = [i for i in todo if not 0 < len(prompts[i]) <= gen.max_prompt_tokens]
-    queue: Iterator[int] = iter([i for i in todo if i not in set(too_long)])
+    # Prompts of similar length are inserted together, so an insert call pads little.
+    queue: Iterator[int] = iter(sorted((i for i in todo if i not in set(too_long)), key=lambda i: len(prompts[i])))
     pending = len(todo) - len(too_long)
     _check_disk(out_path.parent, pending, gen)
 
@@ -236,7 +240,9 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
                     break
                 rows = np.full(gen.refill_rows, gen.batch_size, np.int32)
                 rows[: len(batch)] = free[: len(batch)]
-                ids = np.zeros((gen.refill_rows, gen.max_prompt_tokens), np.int32)
+                longest = max(len(prompts[i]) for i in batch)
+                width = min(-(-longest // gen.prompt_bucket) * gen.prompt_bucket, gen.max_prompt_tokens)
+                ids = np.zeros((gen.refill_rows, width), np.int32)
                 lens = np.ones(gen.refill_rows, np.int32)
                 for j, i in enumerate(batch):
                     ids[j, : len(prompts[i])] = prompts[i]
