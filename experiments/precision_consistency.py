@@ -9,6 +9,8 @@ SmolLM2, per compute dtype:
 1. Logits: a chat prompt is prefilled, then `--new-tokens` tokens go through the model once as T
    single steps and once as one pass of T. Reported per dtype: the largest |difference| in the
    logits, how many rows differ at all, and the first decoder layer whose output differs.
+1b. The same with every single step padded to T query rows, so that a step and a pass share all
+   shapes (the question: would a fixed row count make bf16 verification bitwise exact?).
 2. Greedy outputs on held-out chat prompts: bf16 AR against float32 AR (the information the issue
    asks for: how often the precisions diverge, and at which token), and bf16 chain against bf16 AR.
 """
@@ -47,6 +49,29 @@ def step_against_pass(model, prompt: list[int], extra: list[int]) -> dict:
             "first_differing_layer": first_layer}
 
 
+def padded_step_against_pass(model, prompt: list[int], extra: list[int]) -> dict:
+    """Like step_against_pass, but each single step runs with T query rows: the token at row 0 and
+    T-1 padding copies after it (causal, so they cannot reach row 0). Then a step and a verify pass
+    have the same shapes everywhere; does the token's row come out bitwise the same?"""
+    from specjax.models.cache import KVCache
+    from specjax.models.transformer import forward
+
+    cfg, params = model.config, model.params
+    run = jax.jit(lambda c, t, pos, at: forward(params, cfg, t, pos, c, at))
+    length, width = len(prompt), len(extra)
+    cache = run(KVCache.zeros(cfg, 1, 256), jnp.asarray([prompt]), jnp.arange(length)[None], jnp.asarray([0])).cache
+    whole = run(cache, jnp.asarray([extra]), (length + jnp.arange(width))[None], jnp.asarray([length]))
+    rows_differ, largest = 0, 0.0
+    for i, token in enumerate(extra):
+        padded = jnp.full((1, width), token, jnp.int32)
+        one = run(cache, padded, (length + i + jnp.arange(width))[None], jnp.asarray([length + i]))
+        cache = one.cache  # slot length+i is right; the padding's slots are overwritten next step
+        difference = np.abs(np.asarray(one.logits[0, 0]) - np.asarray(whole.logits[0, i]))
+        largest = max(largest, float(difference.max()))
+        rows_differ += int(difference.max() > 0)
+    return {"max_logit_difference": largest, "rows_that_differ": rows_differ, "rows": width}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -59,6 +84,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--steps-only", action="store_true", help="stop after the logit measurements")
     args = parser.parse_args()
 
     from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
@@ -78,6 +104,14 @@ def main() -> None:
         print(f"| {dtype} | {r['max_logit_difference']:.2e} | {r['rows_that_differ']} of {r['rows']} | "
               f"{r['first_differing_layer']} |", flush=True)
         engines[dtype] = Engine(model, at_compute_dtype(drafter, dtype))
+    print(f"\nEach step padded to {len(extra)} rows (the token at row 0), against one pass:")
+    print("| dtype | largest logit difference | rows that differ |")
+    print("|---|---|---|")
+    for dtype in ("float32", "bfloat16"):
+        r = padded_step_against_pass(at_compute_dtype(base, dtype), probe, extra)
+        print(f"| {dtype} | {r['max_logit_difference']:.2e} | {r['rows_that_differ']} of {r['rows']} |", flush=True)
+    if args.steps_only:
+        return
 
     prompts = [base.tokenizer.encode_chat(p) for p in HELDOUT_CHAT_PROMPTS[: args.prompts]]
     outputs = {}
