@@ -6,7 +6,6 @@ the attention mass the block's first draft slots put on
   - the anchor slot (slot 0: the only place the anchor token enters a drafter without an anchor path),
   - the first context position (the target's attention sink),
   - the rest of the context, and the other mask slots;
-and the share of the slot-1 residual stream that the anchor slot's attended value contributes.
 It does this for the committed drafter and for a fresh drafter initialised from the target's top
 layer (the recipe's starting point), so that one can see whether training starved the path or the
 start already did.
@@ -54,10 +53,8 @@ def attention_report(model, loaded, prompts: list[str], slots: int = 4):
             k_ctx, v_ctx = layer.keys_values(h_ctx, cos_c, sin_c)
             q, k, v = layer.block_qkv(x, cos, sin)
             keys = jnp.concatenate([k_ctx, k], axis=1)  # [1, S+Q, K, D]
-            values = jnp.concatenate([v_ctx, v], axis=1)
             group = config.num_heads // config.num_kv_heads
             keys_h = jnp.repeat(keys, group, axis=2)
-            values_h = jnp.repeat(values, group, axis=2)
             logits = jnp.einsum("bqhd,bshd->bhqs", q.astype(jnp.float32), keys_h.astype(jnp.float32))
             probs = jax.nn.softmax(logits / np.sqrt(config.head_dim), axis=-1)[0]  # [H, Q, S+Q]
             for s in range(1, slots + 1):
@@ -67,11 +64,6 @@ def attention_report(model, loaded, prompts: list[str], slots: int = 4):
                     "anchor": p[:, anchor_at], "sink": p[:, 0], "context": p[:, 1:anchor_at].sum(-1),
                     "masks": p[:, anchor_at + 1 :].sum(-1),
                 })
-            # The anchor's contribution to slot 1's residual: its attended value through o_proj.
-            anchor_part = (probs[:, 1, anchor_at][None, :, None] * values_h[0, anchor_at])  # [1, H, D]
-            delta = layer.o_proj(anchor_part.reshape(1, -1))
-            rows.append({"layer": index, "slot": "residual", "share": float(jnp.linalg.norm(delta)
-                                                                             / jnp.linalg.norm(x[0, 1]))})
             out = layer(x, cos, sin, k_ctx, v_ctx, jnp.ones((1, block, anchor_at + block), bool))
             x = out
     return rows
@@ -83,12 +75,10 @@ def summarise(rows, label: str):
     for layer in layers:
         print(f"layer {layer}: attention mass of draft slots (mean over prompts; max head in brackets)")
         print("  slot | anchor slot      | context[0] (sink) | rest of context | other mask slots")
-        for s in sorted({r["slot"] for r in rows if r["layer"] == layer and r["slot"] != "residual"}):
+        for s in sorted({r["slot"] for r in rows if r["layer"] == layer}):
             sel = [r for r in rows if r["layer"] == layer and r["slot"] == s]
             cell = lambda key, sel=sel: f"{np.mean([r[key].mean() for r in sel]):.4f} ({np.mean([r[key].max() for r in sel]):.4f})"  # noqa: E501
             print(f"  {s:>4} | {cell('anchor'):16} | {cell('sink'):17} | {cell('context'):15} | {cell('masks')}")
-        shares = [r["share"] for r in rows if r["layer"] == layer and r["slot"] == "residual"]
-        print(f"  anchor's share of slot 1's residual after attention: {np.mean(shares):.4f}")
 
 
 def main():

@@ -14,6 +14,7 @@ where it stopped, and the file is what `build_distillation_set` reads afterwards
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shutil
 import time
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.decode.autoregressive import _eos_array, prefill
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
@@ -78,14 +80,14 @@ class GeneratorState:
     cache: KVCache
 
 
-def empty_state(config: TransformerConfig, gen: GeneratorConfig, dtype=None) -> GeneratorState:
+def empty_state(config: TransformerConfig, gen: GeneratorConfig) -> GeneratorState:
     batch = gen.batch_size
     return GeneratorState(
         tokens=jnp.zeros((batch, gen.row_length), jnp.int32),
         lengths=jnp.zeros((batch,), jnp.int32),
         num_generated=jnp.zeros((batch,), jnp.int32),
         done=jnp.ones((batch,), bool),
-        cache=KVCache.zeros(config, batch, gen.row_length, dtype),
+        cache=KVCache.zeros(config, batch, gen.row_length),
     )
 
 
@@ -95,11 +97,8 @@ def insert_prompts(params, state: GeneratorState, rows, prompts, prompt_lengths,
     """Prefill prompts [R, P] (right-padded; prompt_lengths [R]) into batch rows `rows` [R]; a row
     index of batch_size marks a padding entry, which is dropped. The first token is the prefill's argmax."""
     count, width = prompts.shape
-    cache = KVCache.zeros(config, count, gen.row_length, state.cache.keys[0].dtype)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (count, width))  # [R, P]
-    out = forward(params, config, prompts, positions, cache, jnp.zeros((count,), jnp.int32),
-                  logit_positions=(prompt_lengths - 1)[:, None], valid_lengths=prompt_lengths, empty_cache=True)
-    first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)  # [R]
+    logits, cache, _ = prefill(params, config, prompts, prompt_lengths, gen.row_length)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
     row_tokens = jnp.zeros((count, gen.row_length), jnp.int32).at[:, :width].set(prompts)
     row_tokens = row_tokens.at[jnp.arange(count), prompt_lengths].set(first)
     put = lambda whole, part: whole.at[rows].set(part.astype(whole.dtype), mode="drop")  # noqa: E731
@@ -107,9 +106,9 @@ def insert_prompts(params, state: GeneratorState, rows, prompts, prompt_lengths,
         tokens=put(state.tokens, row_tokens),
         lengths=put(state.lengths, prompt_lengths),
         num_generated=put(state.num_generated, jnp.ones((count,), jnp.int32)),
-        done=put(state.done, jnp.isin(first, jnp.asarray(eos_token_ids or (-1,), jnp.int32)) | (gen.max_new_tokens == 1)),
-        cache=KVCache(tuple(put(a, b) for a, b in zip(state.cache.keys, out.cache.keys)),
-                      tuple(put(a, b) for a, b in zip(state.cache.values, out.cache.values))),
+        done=put(state.done, jnp.isin(first, _eos_array(eos_token_ids)) | (gen.max_new_tokens == 1)),
+        cache=KVCache(tuple(put(a, b) for a, b in zip(state.cache.keys, cache.keys)),
+                      tuple(put(a, b) for a, b in zip(state.cache.values, cache.values))),
     )
 
 
@@ -117,7 +116,7 @@ def insert_prompts(params, state: GeneratorState, rows, prompts, prompt_lengths,
 def decode_steps(params, state: GeneratorState, *, config: TransformerConfig, gen: GeneratorConfig,
                  eos_token_ids: tuple[int, ...]) -> GeneratorState:
     """steps_per_sync greedy steps for every live row; finished rows stand still."""
-    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
+    eos = _eos_array(eos_token_ids)
     rows = jnp.arange(gen.batch_size)
 
     def one_step(_, s: GeneratorState):
@@ -234,7 +233,7 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
             free = np.flatnonzero(owner < 0)
             # Refill in whole insert calls while prompts remain.
             while not exhausted and len(free):
-                batch = [i for _, i in zip(range(min(gen.refill_rows, len(free))), queue)]
+                batch = list(itertools.islice(queue, min(gen.refill_rows, len(free))))
                 if not batch:
                     exhausted = True
                     break
