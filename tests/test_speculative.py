@@ -288,3 +288,26 @@ def test_the_anchor_path_puts_the_anchor_into_every_draft_slot(target, tmp_path)
         .read_text()), "dflash_config": {**flags, "anchor_path": True}}))
     with pytest.raises(SpecjaxError, match="missing drafter weights.*anchor_proj"):
         load_drafter(tmp_path / "False")
+
+
+def test_a_warm_start_keeps_a_drafters_weights_and_adds_the_anchor_path(target):
+    """init_from_drafter (train-drafter --init-drafter): a DFlash-layout drafter's weights carry over
+    unchanged; the anchor path it lacks starts at identity with zero slot vectors; a drafter of
+    another shape is refused."""
+    import dataclasses
+
+    from flax import traverse_util
+
+    from specjax.train.drafter import init_from_drafter
+
+    new = DrafterConfig.for_target(TINY, num_layers=1, block_size=BLOCK, num_taps=2)
+    old = dataclasses.replace(new, anchor_path=False)
+    start = LoadedDrafter("old", old, init_drafter_params(old, jax.random.key(1)), TINY.num_layers)
+    warm = traverse_util.flatten_dict(init_from_drafter(init_drafter_params(new, jax.random.key(2)), new, start))
+    for path, value in traverse_util.flatten_dict(start.params).items():
+        np.testing.assert_array_equal(np.asarray(warm[path]), np.asarray(value))
+    np.testing.assert_array_equal(np.asarray(warm[("anchor_proj", "kernel")]), np.eye(TINY.hidden_size))
+    assert not np.asarray(warm[("slot_embedding",)]).any()
+    with pytest.raises(SpecjaxError, match="block_size"):
+        init_from_drafter(init_drafter_params(new, jax.random.key(2)), dataclasses.replace(new, block_size=BLOCK * 2),
+                          start)

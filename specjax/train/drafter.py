@@ -400,6 +400,26 @@ def init_from_target_layers(drafter_params, target_params, layer_ids: Sequence[i
     return out
 
 
+def init_from_drafter(drafter_params, drafter_config, start) -> dict:
+    """Start from a trained drafter `start` (a LoadedDrafter): every parameter it has is copied in;
+    parameters it lacks keep their fresh values. That is how a DFlash-layout drafter gains the anchor
+    path and keeps training: the anchor projection starts at identity and the slot vectors at zero,
+    so the warm-started drafter first computes exactly what `start` did, plus its anchor's embedding."""
+    from flax import traverse_util
+
+    theirs = start.config
+    for field in ("hidden_size", "num_layers", "block_size", "target_layer_ids", "mask_token_id"):
+        if getattr(theirs, field) != getattr(drafter_config, field):
+            raise SpecjaxError(f"{start.source}: cannot start from this drafter, its {field} is "
+                               f"{getattr(theirs, field)} where this run's is {getattr(drafter_config, field)}")
+    ours = traverse_util.flatten_dict(drafter_params)
+    for path, value in traverse_util.flatten_dict(start.params).items():
+        if path not in ours:
+            raise SpecjaxError(f"{start.source}: its parameter {'/'.join(path)} has no place in this run's drafter")
+        ours[path] = jnp.asarray(value, jnp.asarray(ours[path]).dtype)
+    return traverse_util.unflatten_dict(ours)
+
+
 def anchor_probe_logits(model, drafter, context: str, anchors: Sequence[int]):
     """A drafter's slot-1 logits after the chat prompt `context`, one row per anchor token in slot 0,
     through the training forward (context features strictly before the anchor): [len(anchors), V'].

@@ -47,6 +47,9 @@ class DistillRecipe:
     """Start the drafter's layers as copies of the target's top layers."""
     anchor_path: bool = True
     """Give every draft slot the projected anchor embedding (DrafterConfig.anchor_path)."""
+    init_drafter: str | None = None
+    """Start from this trained drafter ("default" or a DFlash folder) instead of the target's top
+    layers: a warm start that keeps what it learned and adds what it lacks (the anchor path)."""
     steps: int = 3000
     """Optimizer steps."""
     learning_rate: float = 1e-3
@@ -155,9 +158,10 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     import jax
 
     from specjax.io.dflash import save_drafter
-    from specjax.io.registry import load_model
+    from specjax.io.registry import load_model, resolve_drafter
     from specjax.models.drafter import DrafterConfig, init_drafter_params
-    from specjax.train.drafter import DrafterTrainConfig, choose_draft_vocab, init_from_target_layers, train_drafter
+    from specjax.train.drafter import (DrafterTrainConfig, choose_draft_vocab, init_from_drafter, init_from_target_layers,
+                                       train_drafter)
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 
     out_dir = Path(out_dir)
@@ -177,7 +181,11 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
         coverage = _coverage(heldout, draft_vocab)
         _log(f"draft vocabulary: {len(draft_vocab)} tokens, covering {coverage:.1%} of held-out labels")
     params = init_drafter_params(config, jax.random.key(recipe.seed))
-    if recipe.init_from_target:
+    if recipe.init_drafter:
+        start = resolve_drafter(recipe.init_drafter, model_name)
+        params = init_from_drafter(params, config, start)
+        _log(f"starting from the drafter in {start.source}")
+    elif recipe.init_from_target:
         top = list(range(model.config.num_layers - recipe.num_layers, model.config.num_layers))
         params = init_from_target_layers(params, model.params, top)
     params = train_drafter(
