@@ -12,7 +12,9 @@ SmolLM2, per compute dtype:
 1b. The same with every single step padded to T query rows, so that a step and a pass share all
    shapes (the question: would a fixed row count make bf16 verification bitwise exact?).
 2. Greedy outputs on held-out chat prompts: bf16 AR against float32 AR (the information the issue
-   asks for: how often the precisions diverge, and at which token), and bf16 chain against bf16 AR.
+   asks for: how often the precisions diverge, and at which token), bf16 chain against bf16 AR, and
+   with every forward padded to `--query-rows` rows (TransformerConfig.query_rows, what
+   `--dtype bfloat16` does by default) chain, chain+refiner and tree against AR at that setting.
 """
 
 from __future__ import annotations
@@ -85,11 +87,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--steps-only", action="store_true", help="stop after the logit measurements")
+    parser.add_argument("--query-rows", type=int, default=16, help="the padded configuration's query rows")
     args = parser.parse_args()
 
     from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
     from specjax.decode.engine import Engine
-    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, resolve_refiner, with_query_rows
 
     base = load_model("smollm2")
     drafter = resolve_drafter("default", "smollm2")
@@ -114,17 +117,22 @@ def main() -> None:
         return
 
     prompts = [base.tokenizer.encode_chat(p) for p in HELDOUT_CHAT_PROMPTS[: args.prompts]]
+    padded = with_query_rows(at_compute_dtype(base, "bfloat16"), args.query_rows)
+    refiner = resolve_refiner("default", "smollm2")
+    engines[f"bfloat16, {args.query_rows} rows"] = Engine(padded, at_compute_dtype(drafter, "bfloat16"), refiner=refiner)
+    runs = [("float32", "ar"), ("bfloat16", "ar"), ("bfloat16", "chain")]
+    runs += [(f"bfloat16, {args.query_rows} rows", m) for m in ("ar", "chain", "chain+refiner", "tree")]
     outputs = {}
-    for dtype, method in (("float32", "ar"), ("bfloat16", "ar"), ("bfloat16", "chain")):
-        outputs[dtype, method] = [engines[dtype].generate([p], args.max_new_tokens, method=method).tokens[0]
-                                  for p in prompts]
-    for label, (a, b) in {"bf16 AR vs float32 AR": (("bfloat16", "ar"), ("float32", "ar")),
-                          "bf16 chain vs bf16 AR": (("bfloat16", "chain"), ("bfloat16", "ar"))}.items():
+    for target, method in runs:
+        outputs[target, method] = [engines[target].generate([p], args.max_new_tokens, method=method).tokens[0]
+                                   for p in prompts]
+    comparisons = {"bf16 AR vs float32 AR": (runs[1], runs[0]), "bf16 chain vs bf16 AR": (runs[2], runs[1])}
+    comparisons.update({f"{a[1]} vs AR ({a[0]})": (a, runs[3]) for a in runs[4:]})
+    for label, (a, b) in comparisons.items():
         firsts = [first_difference(x, y) for x, y in zip(outputs[a], outputs[b])]
         diverged = [f for f in firsts if f is not None]
         print(f"{label}: {len(diverged)} of {len(prompts)} prompts diverge within {args.max_new_tokens} tokens; "
               f"first differing token index per diverging prompt: {diverged}", flush=True)
-
 
 if __name__ == "__main__":
     main()

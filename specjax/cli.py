@@ -508,13 +508,18 @@ def _add_dtype_option(parser) -> None:
                         help="storage precision of the target's KV cache; auto = the compute precision. "
                              "bfloat16 under float32 compute halves the cache and stays exact against AR "
                              "with the same setting")
+    parser.add_argument("--query-rows", default="auto", metavar="auto|N|0",
+                        help="pad every decode step and verify pass to N query rows, so AR and speculation "
+                             "compute bitwise the same numbers; auto = 16 under bfloat16 compute (where a "
+                             "single-row step rounds differently), off under float32; 0 = off")
 
 
 def _load_target(args, name: str | None = None):
-    """The target at the precision --dtype and --kv-dtype ask for."""
-    from specjax.io.registry import compute_dtype, load_model, with_kv_dtype
+    """The target at the precision --dtype, --kv-dtype and --query-rows ask for."""
+    from specjax.io.registry import compute_dtype, load_model, with_kv_dtype, with_query_rows
 
-    return with_kv_dtype(load_model(name or args.model, compute_dtype(args.dtype)), args.kv_dtype)
+    model = with_kv_dtype(load_model(name or args.model, compute_dtype(args.dtype)), args.kv_dtype)
+    return with_query_rows(model, args.query_rows)
 
 
 def _add_window_options(parser) -> None:

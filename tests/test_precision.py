@@ -19,6 +19,7 @@ from specjax.models.layers import accumulate_in_float32
 from specjax.models.transformer import forward
 
 PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
+from conftest import SPEC_BLOCK as BLOCK  # noqa: E402
 
 
 def test_float32_accumulation_of_bf16_inputs():
@@ -79,6 +80,53 @@ def test_greedy_speculation_equals_autoregressive_in_bf16(target, drafter, metho
     assert engine.generate(PROMPTS[:1], 30, ignore_eos=True, method=method, **options).tokens == ar.tokens[:1]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_decode_steps_are_bitwise_the_verify_pass(target, dtype):
+    """With query_rows = W, a one-token step runs W query rows, the shapes of a W-token verify pass,
+    and its logits are bitwise the verify pass's row for that token: that is what makes speculative
+    output exact by construction rather than up to an ulp."""
+    import dataclasses
+
+    model = at_compute_dtype(target, dtype)
+    width = 8
+    padded = dataclasses.replace(model.config, query_rows=width)
+    prompt, extra = PROMPTS[2], [3, 8, 1, 6, 2, 9, 5, 7]
+    run = jax.jit(lambda cfg, c, t, at: forward(model.params, cfg, t, at[:, None] + jnp.arange(t.shape[1]), c, at),
+                  static_argnums=0)
+    cache = run(padded, KVCache.zeros(padded, 1, 64), jnp.asarray([prompt]), jnp.asarray([0])).cache
+    whole = run(padded, cache, jnp.asarray([extra]), jnp.asarray([len(prompt)]))
+    for i, token in enumerate(extra):
+        one = run(padded, cache, jnp.asarray([[token]]), jnp.asarray([len(prompt) + i]))
+        assert one.logits.shape == (1, 1, model.config.vocab_size)
+        np.testing.assert_array_equal(np.asarray(one.logits[0, 0]), np.asarray(whole.logits[0, i]))
+        cache = one.cache
+    # A tree-shaped pass (token 3, then siblings 8 and 1 at the same position) keeps its rows when
+    # padded: each equals the causal pass along its own path.
+    siblings = jnp.asarray([[[True, False, False], [True, True, False], [True, False, True]]])
+    at = jnp.asarray([len(prompt)])
+    tree = jax.jit(lambda c, t, m: forward(model.params, padded, t, at[:, None] + jnp.asarray([[0, 1, 1]]), c, at,
+                                           block_mask=m))(cache, jnp.asarray([[3, 8, 1]]), siblings)
+    for row, path in ((1, [3, 8]), (2, [3, 1])):
+        along = run(model.config, cache, jnp.asarray([path]), at)
+        np.testing.assert_allclose(np.asarray(tree.logits[0, row]), np.asarray(along.logits[0, 1]), atol=0.05)
+    assert tree.logits.shape == (1, 3, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_speculation_equals_autoregressive_with_padded_steps(target, drafter, method):
+    """AR and speculation with the same query_rows: greedy outputs agree for batches, ragged prompts
+    and a single row, in bf16."""
+    import dataclasses
+
+    bf16 = at_compute_dtype(target, "bfloat16")
+    padded = dataclasses.replace(bf16, config=dataclasses.replace(bf16.config, query_rows=BLOCK))
+    engine = Engine(padded, at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
+    options = {"tree": TreeConfig(budget=6)} if method == "tree" else {}
+    ar = engine.generate(PROMPTS, 24, ignore_eos=True)
+    assert engine.generate(PROMPTS, 24, ignore_eos=True, method=method, **options).tokens == ar.tokens
+    assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method=method, **options).tokens == ar.tokens[1:2]
+
+
 @pytest.mark.slow
 def test_greedy_chain_stops_at_eos_in_bf16(target, drafter):
     bf16 = at_compute_dtype(target, "bfloat16")
@@ -107,6 +155,14 @@ def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys)
     small_cache = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["memory"]
     assert small_cache["target_kv_bytes"] == kv["bfloat16"]
     assert runs["bfloat16", "chain"]["tokens"] == runs["bfloat16", "ar"]["tokens"]
+    # --query-rows auto pads bf16 steps (and not float32 ones); 0 turns it off; nonsense is refused.
+    assert runs["bfloat16", "chain"]["stats"]["precision"] == {"dtype": "bfloat16", "kv_dtype": "bfloat16",
+                                                               "query_rows": 16}
+    assert runs["float32", "ar"]["stats"]["precision"]["query_rows"] is None
+    assert main(base + ["--dtype", "bfloat16", "--query-rows", "0"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["precision"]["query_rows"] is None
+    assert main(base + ["--query-rows", "many"]) == 2
+    assert "--query-rows takes auto or a number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])

@@ -111,6 +111,12 @@ def test_speculative_decoding_on_a_sliding_target_is_exact(target, drafter, meth
     assert result.tokens == reference
     ring = result.stats["memory"]["target_kv_window_bytes"] // (2 * sliding.num_kv_heads * sliding.head_dim * 4)
     assert ring < len(prompts[0]) + 24  # the sliding layer's ring wrapped
+    # Padded query rows (--query-rows) write their padding into the ring too; the ring grows to hold it.
+    padded = Engine(LoadedModel("tiny-sliding", dataclasses.replace(sliding, query_rows=8), target.params, None, (3,)),
+                    drafter)
+    assert padded.generate(prompts, max_new_tokens=24, method="ar", ignore_eos=True).tokens == reference
+    assert padded.generate(prompts, max_new_tokens=24, method=method, ignore_eos=True,
+                           tree=TreeConfig(budget=6)).tokens == reference
 
 
 # ---- KV rings: a sliding layer keeps window + step - 1 slots instead of one per position ----

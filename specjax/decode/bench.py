@@ -35,7 +35,10 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
     """Every method on every prompt with one engine. options: per-method generate options."""
     options = options or {}
     variants = [Variant(m, engine, m, tuple(sorted(options.get(m, {}).items()))) for m in methods]
-    return run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress)
+    report = run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress)
+    cfg = engine.model.config  # every method ran this target: "identical" and speedups are at this precision
+    report["precision"] = {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+    return report
 
 
 def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -134,4 +137,8 @@ def format_table(report: dict) -> str:
         nodes = f"{entry['tree_nodes_verified']:.1f}" if "tree_nodes_verified" in entry else "-"
         accept = " ".join(f"{a:.2f}" for a in entry["per_position_acceptance"][:8])
         lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s} {nodes:>6s}  {accept}")
+    if "precision" in report:
+        p = report["precision"]
+        rows = f", every forward padded to {p['query_rows']} query rows" if p["query_rows"] else ""
+        lines.append(f"(computed in {p['dtype']}, KV cache in {p['kv_dtype']}{rows})")
     return "\n".join(lines)

@@ -103,6 +103,21 @@ class Engine:
         """The target config a request decodes with: sliding layers keep KV rings sized for its steps."""
         return self.model.config.with_kv_rings(shape.step_tokens)
 
+    def _trees_within_query_rows(self, tree: TreeConfig) -> TreeConfig:
+        """With query_rows = W, a verify pass is exact by construction only at W rows or fewer
+        (padded to W); larger ones would have shapes no AR step has. Auto trees keep the buckets up to
+        W (all of which then cost one W-row pass); a fixed tree larger than W is refused."""
+        rows = self.model.config.query_rows
+        if rows is None:
+            return tree
+        sizes = tree.node_buckets(self.drafter.config.block_size - 1)
+        if sizes[-1] <= rows:
+            return tree
+        if not tree.auto:
+            raise SpecjaxError(f"a {sizes[-1]}-node tree verifies more rows than the target's query_rows ({rows}); "
+                               f"use a tree of at most {rows} nodes or raise --query-rows")
+        return dataclasses.replace(tree, buckets=tuple(b for b in sizes if b < rows) + (rows,))
+
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config
         if not prompts:
@@ -149,6 +164,8 @@ class Engine:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
         if method in TREE_METHODS and denoise_steps != 1:
             raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
+        if method in TREE_METHODS:
+            tree = self._trees_within_query_rows(tree)
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -158,6 +175,8 @@ class Engine:
             slack = self.drafter.config.block_size
         if method in TREE_METHODS:
             slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
+        # query_rows pads every decode-time forward to that many rows, all written to the cache.
+        slack = max(slack, self.model.config.query_rows or 0)
         shape = DecodeRequestShape(
             method=method,
             batch=len(prompts),
@@ -179,9 +198,9 @@ class Engine:
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
         if method in TREE_METHODS:
-            return self._generate_tree(shape, args)
+            return self._with_precision(self._generate_tree(shape, args))
         if method in SPECULATIVE_METHODS:
-            return self._generate_chain(shape, args)
+            return self._with_precision(self._generate_chain(shape, args))
 
         statics = dict(config=self.decode_config(shape), sampling=sampling, eos_token_ids=shape.eos_token_ids)
         compile_s = 0.0
@@ -223,7 +242,13 @@ class Engine:
             "memory": decode_memory(self.decode_config(shape), None, shape.batch, shape.cache_length,
                                     None if shape.streaming else self._compiled[shape]),
         }
-        return GenerationResult(rows, stats)
+        return self._with_precision(GenerationResult(rows, stats))
+
+    def _with_precision(self, result: GenerationResult) -> GenerationResult:
+        """Name the precision in the stats: output is exact against AR at this same precision."""
+        cfg = self.model.config
+        result.stats["precision"] = {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+        return result
 
     def _compile_and_run(self, shape: DecodeRequestShape, decode_fn, args, statics):
         """Run a jitted decode function, compiling it ahead of time on the first call at this shape.

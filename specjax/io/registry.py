@@ -233,6 +233,29 @@ def with_kv_dtype(loaded, kv_dtype: str):
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, kv_dtype=kv_dtype))
 
 
+PADDED_QUERY_ROWS = 16
+"""`--query-rows auto` under bf16 compute: every decode-time forward runs this many query rows, the
+verify pass of one block of the committed drafters. float32 keeps single-row steps (auto = off): its
+step-versus-pass differences are an ulp, 5e-5 in the logits, and the fastest AR stays the baseline."""
+
+
+def with_query_rows(loaded, choice: str | int):
+    """A loaded target whose decode-time forwards are padded to `choice` query rows
+    (TransformerConfig.query_rows): "auto" (PADDED_QUERY_ROWS under bf16, off under float32), 0 for
+    off, or a row count. AR and speculative output are then the same computation bit for bit."""
+    if choice == "auto":
+        rows = PADDED_QUERY_ROWS if loaded.config.dtype == "bfloat16" else None
+    else:
+        try:
+            rows = int(choice)
+        except ValueError:
+            raise SpecjaxError(f"--query-rows takes auto or a number of rows, got {choice!r}") from None
+        if rows < 0:
+            raise SpecjaxError(f"--query-rows must be 0 (off) or a positive number of rows, got {rows}")
+        rows = rows or None
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, query_rows=rows))
+
+
 def at_compute_dtype(loaded, dtype: str):
     """A model or drafter (anything with .config.dtype and .params) that computes in `dtype`: its params
     are stored in it, and every dot takes it as input (bf16 accumulates in float32). The target is

@@ -94,6 +94,13 @@ class TransformerConfig:
     """Storage dtype of the KV cache; None stores it in the compute dtype. bfloat16 under float32
     compute halves the cache: new keys and values are rounded to it before anyone attends to them,
     so a token's K/V are the same numbers in the step that makes it and in every later read."""
+    query_rows: int | None = None
+    """Decode-time forwards run at least this many query rows: a shorter one (a decode step of one
+    token, a small tree) is padded with rows after its real ones that the real rows cannot see.
+    XLA's kernels round differently for different row counts, so a one-token step and the same token
+    inside a 16-token verify pass differ by an ulp, which bf16 compute grows to ~0.3 in the logits.
+    With every step at the same row count, AR and speculative decoding compute the same numbers bit
+    for bit (experiments/precision_consistency.py). None: no padding. Prefills are never padded."""
     attention: str = "xla"
     """Attention implementation: "xla" (dense masked attention over every cache slot) or "pallas"
     (the tree-attention kernel in specjax/pallas_kernels, which skips cache blocks past each row's
@@ -114,6 +121,8 @@ class TransformerConfig:
     decoding (the Engine sets it per call). None: sliding layers keep every slot."""
 
     def __post_init__(self):
+        if self.query_rows is not None and self.query_rows < 1:
+            raise ValueError(f"query_rows must be a positive number of rows or None, got {self.query_rows}")
         if self.kv_ring_step is not None and self.kv_ring_step < 1:
             raise ValueError(f"kv_ring_step must be a positive number of tokens, got {self.kv_ring_step}")
         if self.sliding_window is not None and self.sliding_window < 1:

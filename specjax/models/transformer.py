@@ -236,15 +236,49 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
       right-padded prefill); rings of sliding layers then keep each row's last real tokens.
     empty_cache: static; the caller promises the cache holds nothing yet (a prefill at write_index
       0, a training forward), so sliding layers skip attending to it.
+    With config.query_rows = W and T < W (not a prefill), the pass runs W rows and returns the T real
+    ones; the caller then guarantees write_index + W <= S.
     """
     hidden_layers = tuple(hidden_layers)
     for i in hidden_layers:
         if not 0 <= i < config.num_layers:
             raise ValueError(f"hidden layer {i} is outside the model's {config.num_layers} layers")
-    return Transformer(config).apply(
+    num_new = tokens.shape[1]
+    pad = 0 if empty_cache or config.query_rows is None else max(config.query_rows - num_new, 0)
+    logit_positions_in = None if logit_positions is None else logit_positions.shape[1]
+    if pad:  # config.query_rows: every decode-time forward has the same shapes, so the same rounding
+        tokens, positions, block_mask, logit_positions = _pad_query_rows(tokens, positions, block_mask,
+                                                                          logit_positions, pad)
+    out = Transformer(config).apply(
         {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions,
         valid_lengths, empty_cache
     )
+    if not pad:
+        return out
+    real_logits = num_new if logit_positions is None else logit_positions_in
+    return ForwardOutput(out.logits[:, :real_logits], out.cache,
+                         None if out.hidden is None else out.hidden[:, :num_new])
+
+
+def _pad_query_rows(tokens, positions, block_mask, logit_positions, pad: int):
+    """Append `pad` query rows after the T real ones: copies of the last token at the next positions,
+    each seeing the cache, the real rows and itself, never seen by a real row (their K/V land in slots
+    past the real ones, which the next write overwrites). Logits are computed for them too, so the LM
+    head also runs at (at least) the padded row count."""
+    batch, num_new = tokens.shape
+    tokens = jnp.concatenate([tokens, jnp.repeat(tokens[:, -1:], pad, axis=1)], axis=1)  # [B, T+pad]
+    positions = jnp.concatenate([positions, positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)], axis=1)
+    if block_mask is not None:
+        width = num_new + pad
+        real = jnp.pad(block_mask, ((0, 0), (0, pad), (0, pad)))  # [B, W, W]: the real rows see no padding
+        padding_row = (jnp.arange(width)[:, None] >= num_new) & (
+            (jnp.arange(width)[None, :] < num_new) | (jnp.arange(width)[:, None] == jnp.arange(width)[None, :]))
+        block_mask = real | padding_row[None]
+    if logit_positions is not None and logit_positions.shape[1] < num_new + pad:
+        extra = num_new + pad - logit_positions.shape[1]  # the head runs at the padded row count too
+        logit_positions = jnp.concatenate(
+            [logit_positions, jnp.full((batch, extra), num_new + pad - 1, logit_positions.dtype)], axis=1)
+    return tokens, positions, block_mask, logit_positions
 
 
 def embed_tokens(params, config: TransformerConfig, tokens):
