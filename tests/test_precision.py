@@ -112,7 +112,7 @@ def test_padded_decode_steps_are_bitwise_the_verify_pass(target, dtype):
     assert tree.logits.shape == (1, 3, model.config.vocab_size)
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_autoregressive_with_padded_steps(target, drafter, method):
     """AR and speculation with the same query_rows: greedy outputs agree for batches, ragged prompts
     and a single row, in bf16."""

@@ -60,7 +60,7 @@ def test_greedy_equality_holds_for_other_block_sizes(target, drafter, block):
         engine.generate(PROMPTS, 17, ignore_eos=True).tokens
 
 
-def _exact_marginals(params, prompt, sampling, depth):
+def _exact_marginals(params, prompt, sampling, depth, config=TINY):
     """Exact distributions of generated tokens 1..depth, by enumerating every prefix."""
     vocab = TINY.vocab_size
     prefixes = np.zeros((1, 0), np.int32)
@@ -68,8 +68,8 @@ def _exact_marginals(params, prompt, sampling, depth):
     marginals = []
     for _ in range(depth):
         seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
-        cache = KVCache.zeros(TINY, len(seqs), 16)
-        out = forward(params, TINY, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
+        cache = KVCache.zeros(config, len(seqs), 16)
+        out = forward(params, config, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
                       cache, jnp.zeros((len(seqs),), jnp.int32))
         probs = np.asarray(target_probs(out.logits[:, -1], sampling), np.float64)  # [P, V]
         joint = weights[:, None] * probs
@@ -93,6 +93,38 @@ def test_sampled_chain_matches_the_exact_target_distribution(target, drafter, sa
     for position in range(3):
         counts = np.bincount(out[:, position], minlength=TINY.vocab_size)
         assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_chain_in_bf16_matches_the_exact_target_distribution(target, drafter, broken, monkeypatch):
+    """The same test with bf16 compute and steps padded to the verify width (what --dtype bfloat16
+    does): the bf16 target's enumerated distribution is matched, and the broken rule still fails."""
+    import dataclasses
+
+    from specjax.io.registry import at_compute_dtype, with_query_rows
+
+    bf16 = with_query_rows(at_compute_dtype(target, "bfloat16"), "auto")
+    assert bf16.config.query_rows is not None
+    prompt, depth = [1, 5, 2], 2
+    exact = _exact_marginals(bf16.params, np.asarray(prompt), SAMPLINGS[0], depth,
+                             dataclasses.replace(bf16.config, query_rows=None))
+    drafter16 = at_compute_dtype(drafter, "bfloat16")
+    if broken:  # a fresh jit of the patched function: the Engine's compiled chain would be the sound one
+        monkeypatch.setattr(speculative, "accept_sampled", _broken_impl)
+        run = jax.jit(speculative.generate_chain.__wrapped__, static_argnames=speculative._STATIC)
+        tokens, *_ = run(bf16.params, drafter16.params, None, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
+                         jax.random.key(4), target_config=bf16.config, drafter_config=drafter16.config,
+                         sampling=SAMPLINGS[0], max_new_tokens=depth, eos_token_ids=(), cache_length=64)
+        out = np.asarray(tokens)
+    else:
+        out = np.asarray(Engine(bf16, drafter16).generate([prompt] * 20_000, depth, SAMPLINGS[0], seed=4,
+                                                          ignore_eos=True, method="chain").tokens)
+    pvalues = [chi_square_pvalue(np.bincount(out[:, i], minlength=TINY.vocab_size), exact[i]) for i in range(depth)]
+    if broken:
+        assert pvalues[1] < 1e-6
+    else:
+        assert min(pvalues) > 1e-3, pvalues
 
 
 def _broken_impl(draft, draft_probs, target_probs_, rng):
