@@ -502,8 +502,8 @@ def _add_tree_options(parser) -> None:
 def _add_dtype_option(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="compute precision of the target and drafter: bf16 inputs to every dot with "
-                             "float32 accumulation, or float32; auto = the fastest precision measured exact "
-                             "on this backend (float32 for now, see BENCHMARKS.md)")
+                             "float32 accumulation, or float32; auto = float32 for now (see BENCHMARKS.md); "
+                             "bfloat16 pads steps to --query-rows so speculation stays exact")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="storage precision of the target's KV cache; auto = the compute precision. "
                              "bfloat16 under float32 compute halves the cache and stays exact against AR "

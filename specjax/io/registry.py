@@ -208,13 +208,12 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 AUTO_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "float32", "tpu": "float32"}
-"""`--dtype auto` per backend: the fastest precision at which speculative output has been measured
-identical to AR on a real model there. bf16 verifies 16 tokens for 1.3x a float32 decode step on an
-AVX2 CPU (float32: 2.0x; experiments/verify_cost_curve.py), but on SmolLM2 its speculative output
-diverged from bf16 AR: XLA's float32 accumulations are not bitwise the same for 1 and for 16 new
-tokens, and bf16 rounding between layers amplifies those ulps to ~0.2 in the logits (float32: 5e-5),
-enough to flip near-tied argmaxes (experiments/precision_consistency.py, BENCHMARKS.md). Until that
-is closed, bf16 is opt-in (`--dtype bfloat16`) on every backend."""
+"""`--dtype auto` per backend. float32 everywhere for now. bf16 verifies 16 tokens for 1.3x a
+float32 decode step on an AVX2 CPU (float32: 2.0x; experiments/verify_cost_curve.py), and with
+steps padded to 16 query rows (`with_query_rows`) its speculative output equals bf16 AR on SmolLM2
+(experiments/precision_consistency.py). But a padded bf16 AR step is slower than a float32 one, so
+bf16 pays only for speculative methods, measured against float32 AR; choosing the precision per
+method is still to do, so bf16 stays opt-in (`--dtype bfloat16`)."""
 
 
 def compute_dtype(choice: str) -> str:
