@@ -436,6 +436,7 @@ def cmd_train_lm(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
+    from specjax.io.registry import compute_dtype
     from specjax.train.recipe import DistillRecipe, train_drafter_recipe
 
     recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
@@ -444,7 +445,7 @@ def cmd_train_drafter(args) -> int:
                            seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
-                           init_drafter=args.init_drafter, seed=args.seed)
+                           init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype))
     make_dir(args.out, "--out")
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
     if args.data_only:
@@ -649,6 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--steps", type=int, default=3000)
     td.add_argument("--learning-rate", type=float, default=1e-3)
     td.add_argument("--random-init", action="store_true", help="do not start from the target's top layers")
+    td.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="compute precision of the target and the drafter in training (bf16 inputs to every dot, "
+                         "float32 accumulation); master weights stay float32; auto = as for decoding")
     td.add_argument("--init-drafter", metavar="DRAFTER",
                     help="warm start: begin from this trained drafter (default, or a DFlash folder) instead of "
                          "the target's top layers; a drafter without the anchor path gains it")

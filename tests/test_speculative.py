@@ -229,6 +229,30 @@ def test_training_with_a_draft_vocabulary(target, tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_training_keeps_float32_master_weights(target, tmp_path):
+    """train-drafter --dtype bfloat16: the drafter computes in bf16 (bf16 dot inputs, float32
+    accumulation) against a bf16 target, while its parameters and optimizer stay float32, and it
+    still learns. Copies from the bf16 target's layers come in as float32 too."""
+    from specjax.io.registry import at_compute_dtype
+    from specjax.train.drafter import init_from_target_layers
+    from specjax.train.loop import read_metrics
+
+    bf16 = at_compute_dtype(target, "bfloat16")
+    data = tiny_distillation_set(target, tmp_path / "data", 2, n=16)
+    config = DrafterConfig.for_target(bf16.config, num_layers=1, block_size=BLOCK, num_taps=2)
+    assert config.dtype == "bfloat16"
+    start = init_from_target_layers(init_drafter_params(config, jax.random.key(0)), bf16.params,
+                                    [TINY.num_layers - 1])
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(start))
+    params = train_drafter(bf16.params, bf16.config, config, data, tmp_path / "run",
+                           OptimizerConfig(learning_rate=3e-3, warmup_steps=2, total_steps=30),
+                           LoopConfig(steps=30, log_every=1, eval_every=30, checkpoint_every=30, progress=False),
+                           DrafterTrainConfig(sequences_per_batch=2, anchors_per_sequence=8), init_params=start)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(params))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+
+
 def test_multi_step_denoising_stays_exact(target, drafter):
     engine = Engine(target, drafter)
     ar = engine.generate(PROMPTS, 20, ignore_eos=True).tokens

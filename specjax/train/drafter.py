@@ -384,6 +384,8 @@ def init_from_target_layers(drafter_params, target_params, layer_ids: Sequence[i
     """Copy target decoder layers into the drafter's layers (same shapes: the drafter is as wide
     as its target). A drafter that starts as the target's top layers learns much faster than one
     from a random start, because its attention and MLP already speak the target's feature space."""
+    # Copies take the drafter's own parameter dtype: master weights stay float32 under a bf16 target.
+    target_params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), target_params)
     out = dict(drafter_params)
     for i, layer in enumerate(layer_ids):
         src = target_params[f"layers_{layer}"]

@@ -60,8 +60,14 @@ class DistillRecipe:
     """Blocks per sequence per step."""
     seed: int = 0
     """Seeds prompts, windows, batches and init."""
+    dtype: str = "float32"
+    """Compute precision of the target (data generation, features, head) and of the drafter's
+    forward and backward: bfloat16 feeds bf16 into every dot with float32 accumulation. The drafter's
+    master weights and optimizer state stay float32 either way."""
 
     def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise SpecjaxError(f"unknown compute dtype {self.dtype!r}; available: float32, bfloat16")
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
                        code_prompts=self.code_prompts, draft_vocab_size=self.draft_vocab_size)
@@ -165,7 +171,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 
     out_dir = Path(out_dir)
-    model = load_model(model_name)
+    model = load_model(model_name, recipe.dtype)
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
                                       num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
     (out_dir).mkdir(parents=True, exist_ok=True)
