@@ -348,8 +348,8 @@ def test_the_anchor_path_puts_the_anchor_into_every_draft_slot(target, tmp_path)
 
 def test_a_warm_start_keeps_a_drafters_weights_and_adds_the_anchor_path(target):
     """init_from_drafter (train-drafter --init-drafter): a DFlash-layout drafter's weights carry over
-    unchanged; the anchor path it lacks starts at identity with zero slot vectors; a drafter of
-    another shape is refused."""
+    unchanged and the anchor path it lacks starts closed, so the warm start computes what the old
+    drafter did; a drafter of another shape is refused."""
     import dataclasses
 
     from flax import traverse_util
@@ -362,8 +362,15 @@ def test_a_warm_start_keeps_a_drafters_weights_and_adds_the_anchor_path(target):
     warm = traverse_util.flatten_dict(init_from_drafter(init_drafter_params(new, jax.random.key(2)), new, start))
     for path, value in traverse_util.flatten_dict(start.params).items():
         np.testing.assert_array_equal(np.asarray(warm[path]), np.asarray(value))
-    np.testing.assert_array_equal(np.asarray(warm[("anchor_proj", "kernel")]), np.eye(TINY.hidden_size))
-    assert not np.asarray(warm[("slot_embedding",)]).any()
+    assert not np.asarray(warm[("anchor_proj", "kernel")]).any() and not np.asarray(warm[("slot_embedding",)]).any()
+    from specjax.models.drafter import Drafter
+    from specjax.models.transformer import embed_tokens
+
+    x = embed_tokens(target.params, TINY, jnp.asarray([[5] + [0] * (BLOCK - 1)]))
+    is_mask = jnp.arange(BLOCK)[None] > 0
+    inputs = [Drafter(c).apply({"params": p}, x, is_mask, method=Drafter.block_inputs)
+              for c, p in ((old, start.params), (new, traverse_util.unflatten_dict(warm)))]
+    np.testing.assert_array_equal(np.asarray(inputs[0]), np.asarray(inputs[1]))
     with pytest.raises(SpecjaxError, match="block_size"):
         init_from_drafter(init_drafter_params(new, jax.random.key(2)), dataclasses.replace(new, block_size=BLOCK * 2),
                           start)

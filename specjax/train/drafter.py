@@ -403,10 +403,11 @@ def init_from_target_layers(drafter_params, target_params, layer_ids: Sequence[i
 
 
 def init_from_drafter(drafter_params, drafter_config, start) -> dict:
-    """Start from a trained drafter `start` (a LoadedDrafter): every parameter it has is copied in;
-    parameters it lacks keep their fresh values. That is how a DFlash-layout drafter gains the anchor
-    path and keeps training: the anchor projection starts at identity and the slot vectors at zero,
-    so the warm-started drafter first computes exactly what `start` did, plus its anchor's embedding."""
+    """Start from a trained drafter `start` (a LoadedDrafter): every parameter it has is copied in.
+    That is how a DFlash-layout drafter gains the anchor path and keeps training: the anchor
+    projection and slot vectors it lacks start at zero, so the warm-started drafter first computes
+    exactly what `start` did (no jump in its loss), and the gradient, which reaches the projection
+    through no softmax, opens the path from there."""
     from flax import traverse_util
 
     theirs = start.config
@@ -415,7 +416,11 @@ def init_from_drafter(drafter_params, drafter_config, start) -> dict:
             raise SpecjaxError(f"{start.source}: cannot start from this drafter, its {field} is "
                                f"{getattr(theirs, field)} where this run's is {getattr(drafter_config, field)}")
     ours = traverse_util.flatten_dict(drafter_params)
-    for path, value in traverse_util.flatten_dict(start.params).items():
+    theirs_flat = traverse_util.flatten_dict(start.params)
+    for path in ours:
+        if path not in theirs_flat:
+            ours[path] = jnp.zeros_like(ours[path])
+    for path, value in theirs_flat.items():
         if path not in ours:
             raise SpecjaxError(f"{start.source}: its parameter {'/'.join(path)} has no place in this run's drafter")
         ours[path] = jnp.asarray(value, jnp.asarray(ours[path]).dtype)
