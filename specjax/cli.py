@@ -179,6 +179,10 @@ def cmd_generate(args) -> int:
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
     print(f"[{s['method']}] memory: {_memory_line(s['memory'])}", file=sys.stderr)
+    precision = s["precision"]
+    padded = f", every forward padded to {precision['query_rows']} query rows" if precision["query_rows"] else ""
+    print(f"[{s['method']}] precision: {precision['dtype']} compute, {precision['kv_dtype']} KV cache{padded}",
+          file=sys.stderr)
     return 0
 
 

@@ -161,6 +161,9 @@ def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys)
     assert runs["float32", "ar"]["stats"]["precision"]["query_rows"] is None
     assert main(base + ["--dtype", "bfloat16", "--query-rows", "0"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["precision"]["query_rows"] is None
+    assert main(base[:-1] + ["--dtype", "bfloat16"]) == 0  # the readable summary names the precision
+    assert "precision: bfloat16 compute, bfloat16 KV cache, every forward padded to 16 query rows" in \
+        capsys.readouterr().err
     assert main(base + ["--query-rows", "many"]) == 2
     assert "--query-rows takes auto or a number" in capsys.readouterr().err
 
