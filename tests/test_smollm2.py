@@ -100,6 +100,7 @@ def test_chain_with_the_committed_drafter_equals_greedy(smollm2):
     assert engine.generate(prompts[:1], 32, method="chain").tokens == ar[:1]
 
 
+@pytest.mark.slow  # 30 s; test_the_committed_drafter_sees_its_anchor covers the committed drafter
 def test_the_anchor_probe_sees_a_change_of_context(smollm2):
     """The probe below is not blind itself: a different context moves the slot-1 logits a lot."""
     from specjax.io.registry import resolve_drafter

@@ -253,6 +253,7 @@ def test_bf16_training_keeps_float32_master_weights(target, tmp_path):
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
 
 
+@pytest.mark.slow  # 34 s; the default suite sits at its 20-minute budget
 def test_multi_step_denoising_stays_exact(target, drafter):
     engine = Engine(target, drafter)
     ar = engine.generate(PROMPTS, 20, ignore_eos=True).tokens
