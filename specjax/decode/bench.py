@@ -36,8 +36,7 @@ def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequenc
     options = options or {}
     variants = [Variant(m, engine, m, tuple(sorted(options.get(m, {}).items()))) for m in methods]
     report = run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress)
-    cfg = engine.model.config  # every method ran this target: "identical" and speedups are at this precision
-    report["precision"] = {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+    report["precision"] = engine.precision  # every method ran this target: "identical" and speedups are at it
     return report
 
 

@@ -244,10 +244,14 @@ class Engine:
         }
         return self._with_precision(GenerationResult(rows, stats))
 
-    def _with_precision(self, result: GenerationResult) -> GenerationResult:
-        """Name the precision in the stats: output is exact against AR at this same precision."""
+    @property
+    def precision(self) -> dict:
+        """The target's precision: speculative output is exact against AR at this same precision."""
         cfg = self.model.config
-        result.stats["precision"] = {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+        return {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+
+    def _with_precision(self, result: GenerationResult) -> GenerationResult:
+        result.stats["precision"] = self.precision
         return result
 
     def _compile_and_run(self, shape: DecodeRequestShape, decode_fn, args, statics):
