@@ -399,6 +399,90 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible server: continuous batching over --slots slots, until Ctrl-C or SIGTERM."""
+    import signal
+
+    import uvicorn
+
+    from specjax.serve.http import create_app
+    from specjax.serve.scheduler import Scheduler, ServeConfig
+
+    model = _load_target(args)
+    args.methods = args.method  # _drafter_for reads the method list
+    drafter = _drafter_for(args, model)
+    config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
+                         max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
+                         max_queue=args.max_queue)
+    scheduler = Scheduler(model, drafter, config, metrics_log=args.metrics_log)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
+                                           log_level="info", timeout_graceful_shutdown=args.drain_timeout))
+    print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
+          flush=True)
+    stop = signal.getsignal(signal.SIGTERM)
+    try:
+        server.run()  # returns on SIGINT/SIGTERM once open connections are answered
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+        # Requests still decoding finish (or fail cleanly after --drain-timeout) before the process ends.
+        scheduler.shutdown(drain=True, timeout=args.drain_timeout)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    """Load-test a running server (loopback only): one rate, or a sweep with a plot."""
+    import json
+    import math
+
+    from specjax.data.prompts import heldout_prompts
+    from specjax.serve.loadgen import LoadSpec, benchmark, check_loopback, parse_goodput, plot_sweep
+
+    check_loopback(args.url)
+    goodput = parse_goodput(args.goodput)
+    prompts = _read_prompt_file(args.prompts_file) if args.prompts_file else heldout_prompts("chat")
+    if args.rates and (args.request_rate or args.max_concurrency):
+        raise SpecjaxError("--rates sweeps request rates; do not combine it with --request-rate or --max-concurrency")
+    if not args.rates and not args.request_rate and not args.max_concurrency:
+        raise SpecjaxError("give --request-rate R, --max-concurrency C or --rates R1,R2,...")
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.request_rate or math.inf]
+    rows = []
+    for rate in rates:
+        spec = LoadSpec(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                        num_requests=args.num_requests, max_tokens=args.max_tokens, time_limit_s=args.time_limit,
+                        chat=not args.no_chat, seed=args.seed)
+        row = benchmark(args.url, prompts, spec, goodput)
+        rows.append(row)
+        rate_text = "inf" if math.isinf(rate) else f"{rate:g}"
+        print(f"rate {rate_text} req/s: {row['completed']} completed, {row['failed']} failed "
+              f"({row['rejected_429']} got 429); {row['request_throughput']:.2f} req/s, "
+              f"{row['output_token_throughput']:.1f} output tok/s; TTFT p50 {_ms(row['ttft_ms']['p50'])} "
+              f"p99 {_ms(row['ttft_ms']['p99'])}; TPOT p50 {_ms(row['tpot_ms']['p50'])} "
+              f"p99 {_ms(row['tpot_ms']['p99'])}", flush=True)
+    if args.plot and len(rows) > 1:
+        plot_sweep(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else {"sweep": rows}))
+    return 0
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def cmd_top(args) -> int:
+    """The live terminal dashboard of a running server."""
+    from specjax.serve.top import run_top
+
+    if args.interval <= 0:
+        raise SpecjaxError(f"--interval must be > 0, got {args.interval}")
+    try:
+        run_top(args.url, args.interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_models(args) -> int:
     from specjax.io.registry import KNOWN_MODELS
 
@@ -615,6 +699,46 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--plot", default="memory.png", help="PNG of bytes against context (table mode)")
     mem.add_argument("--json", action="store_true", help="print the report as one JSON object")
     mem.set_defaults(func=cmd_memory)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and live metrics")
+    srv.add_argument("--model", default=DEFAULT_MODEL)
+    srv.add_argument("--drafter", default="default")
+    srv.add_argument("--method", default="chain", help="decoding method: ar or chain")
+    srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
+    srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
+    srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")
+    srv.add_argument("--steps-per-sync", type=int, default=4, help="verify steps per device call between host syncs")
+    srv.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--metrics-log", help="append one JSON line per finished request to this file")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on shutdown before they are failed")
+    _add_dtype_option(srv)
+    _add_window_options(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")
+    bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: the held-out chat prompts")
+    bs.add_argument("--request-rate", type=float, default=0.0, help="mean requests per second (gamma arrivals)")
+    bs.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals: 1 = Poisson")
+    bs.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    bs.add_argument("--rates", help="comma-separated request rates to sweep (plots with --plot)")
+    bs.add_argument("--num-requests", type=int, default=50)
+    bs.add_argument("--max-tokens", type=int, default=128)
+    bs.add_argument("--time-limit", type=float, default=600.0, help="seconds per rate before the rest are cancelled")
+    bs.add_argument("--goodput", help="SLOs in ms, e.g. ttft:2000,tpot:300")
+    bs.add_argument("--no-chat", action="store_true", help="use /v1/completions with the prompt text as is")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--plot", help="PNG of latency and throughput against rate (with --rates)")
+    bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    bs.set_defaults(func=cmd_bench_serve)
+
+    top = sub.add_parser("top", help="live terminal dashboard of a running server (tau, acceptance, KV, latency, queue)")
+    top.add_argument("--url", default="http://127.0.0.1:8000")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.set_defaults(func=cmd_top)
 
     models = sub.add_parser("models", help="list the known model names")
     models.set_defaults(func=cmd_models)

@@ -60,8 +60,22 @@ def test_greedy_equality_holds_for_other_block_sizes(target, drafter, block):
         engine.generate(PROMPTS, 17, ignore_eos=True).tokens
 
 
+_MARGINALS: dict = {}
+
+
 def _exact_marginals(params, prompt, sampling, depth, config=TINY):
-    """Exact distributions of generated tokens 1..depth, by enumerating every prefix."""
+    """Exact distributions of generated tokens 1..depth, by enumerating every prefix (memoised per
+    params object: several test modules ask for the same ones, and each costs seconds)."""
+    key = (id(params), tuple(np.asarray(prompt).tolist()), sampling, config)
+    known = _MARGINALS.get(key)
+    if known is not None and len(known[1]) >= depth and known[0] is params:
+        return known[1][:depth]
+    marginals = _enumerate_marginals(params, prompt, sampling, depth, config)
+    _MARGINALS[key] = (params, marginals)
+    return marginals
+
+
+def _enumerate_marginals(params, prompt, sampling, depth, config):
     vocab = TINY.vocab_size
     prefixes = np.zeros((1, 0), np.int32)
     weights = np.ones(1)

@@ -194,7 +194,8 @@ def commit_tokens(tokens, num_generated, done, accepted_drafts, n, next_token, e
     num_generated, done, advance [B]: how far the row's cache length moves)."""
     num_draft = accepted_drafts.shape[1]
     slot = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
-    shifted = jnp.concatenate([accepted_drafts, jnp.zeros_like(accepted_drafts[:, :1])], axis=1)  # [B, K+1]
+    pad = jnp.zeros((accepted_drafts.shape[0], 1), accepted_drafts.dtype)  # K may be 0 (one AR token)
+    shifted = jnp.concatenate([accepted_drafts, pad], axis=1)  # [B, K+1]
     new_tokens = jnp.where(slot < n[:, None], shifted, next_token[:, None])
     is_eos = jnp.isin(new_tokens, eos) & (slot <= n[:, None])
     first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), num_draft + 1)

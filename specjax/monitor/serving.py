@@ -1,0 +1,118 @@
+"""Live serving metrics: a sink the scheduler reports to, exported in Prometheus text format.
+
+Names follow vLLM's where vLLM has one (`vllm:` becomes `specjax:`), so dashboards and habits carry
+over: spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens(_per_pos), num_requests_running
+/ waiting, kv_cache_usage_perc, and the latency histograms. Mean acceptance length over a window =
+1 + accepted / drafts. Nothing here imports decoding: the scheduler calls these methods.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket edges in seconds, dense where a CPU-served small model lands (tens of ms to tens of s).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of one serving engine (its own registry, so several engines in
+    one process, as in tests, never collide)."""
+
+    def __init__(self, method: str, num_positions: int, log_path: str | Path | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_positions = num_positions
+        self.drafts = Counter("specjax:spec_decode_num_drafts", "Verify steps that checked a draft (per request row)",
+                              registry=r)
+        self.draft_tokens = Counter("specjax:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted_tokens = Counter("specjax:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("specjax:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.generation_tokens = Counter("specjax:generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("specjax:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.requests = Counter("specjax:request_success", "Finished requests by finish reason", ["finished_reason"],
+                                registry=r)
+        self.running = Gauge("specjax:num_requests_running", "Requests holding a slot", registry=r)
+        self.waiting = Gauge("specjax:num_requests_waiting", "Requests queued for a slot", registry=r)
+        self.kv_usage = Gauge("specjax:kv_cache_usage_perc", "Fraction of target KV slots holding a token", registry=r)
+        self.kv_bytes = Gauge("specjax:kv_cache_bytes_in_use", "Bytes of target KV and drafter context holding tokens",
+                              ["part"], registry=r)
+        self.kv_bytes_per_token = Gauge("specjax:kv_cache_bytes_per_token", "Bytes one token occupies", ["part"],
+                                        registry=r)
+        self.step_seconds = Gauge("specjax:step_seconds", "Wall seconds of the last device call", ["phase"],
+                                  registry=r)
+        self.current_method = Gauge("specjax:method_info", "The decoding method in use (value 1)", ["method"],
+                                    registry=r)
+        self.current_method.labels(method=method).set(1)
+        histogram = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)  # noqa: E731
+        self.ttft = histogram("specjax:time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram("specjax:inter_token_latency_seconds", "Gap between streamed chunks, per token")
+        self.e2e = histogram("specjax:e2e_request_latency_seconds", "Arrival to the last token")
+        self.queue_time = histogram("specjax:request_queue_time_seconds", "Arrival to prefill")
+        self._lock = threading.Lock()
+        self._log = open(log_path, "a") if log_path else None
+
+    # ---- events the scheduler reports ----
+
+    def queue_depth(self, running: int, waiting: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+
+    def admitted(self, queue_seconds: float, prompt_tokens: int) -> None:
+        self.queue_time.observe(queue_seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def tokens_streamed(self, count: int, gap_seconds: float | None) -> None:
+        """count new tokens reached a request; gap_seconds since its previous chunk (None for the first)."""
+        self.generation_tokens.inc(count)
+        if gap_seconds is not None and count:
+            # A speculative chunk carries several tokens; per-token latency is the gap shared among them.
+            for _ in range(count):
+                self.itl.observe(gap_seconds / count)
+
+    def verify_steps(self, steps: int, draft_tokens_per_step: int, accepted_per_position: list[int]) -> None:
+        """Rows' verify steps since the last report and how many reached each draft position."""
+        if draft_tokens_per_step == 0:
+            return
+        self.drafts.inc(steps)
+        self.draft_tokens.inc(steps * draft_tokens_per_step)
+        self.accepted_tokens.inc(sum(accepted_per_position))
+        for position, count in enumerate(accepted_per_position, start=1):
+            self.accepted_per_pos.labels(position=str(position)).inc(count)
+
+    def memory(self, kv_usage: float, bytes_in_use: dict[str, int], bytes_per_token: dict[str, int]) -> None:
+        self.kv_usage.set(kv_usage)
+        for part, value in bytes_in_use.items():
+            self.kv_bytes.labels(part=part).set(value)
+        for part, value in bytes_per_token.items():
+            self.kv_bytes_per_token.labels(part=part).set(value)
+
+    def timing(self, phase: str, seconds: float) -> None:
+        self.step_seconds.labels(phase=phase).set(seconds)
+
+    def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
+        self.requests.labels(finished_reason=reason).inc()
+        self.e2e.observe(e2e_seconds)
+        if self._log is not None and record is not None:
+            with self._lock:
+                self._log.write(json.dumps({"time": time.time(), **record}) + "\n")
+                self._log.flush()
+
+    # ---- export ----
+
+    def prometheus_text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP server over the scheduler (FastAPI + uvicorn, SSE for streaming).
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
+/health and /metrics (Prometheus text). Each response carries its request's speculative metrics
+under `metrics.speculative_decoding`, as vLLM's do. Bad input gets 400 with a message, a full queue
+429 with Retry-After, and a client that disconnects cancels its request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from specjax.errors import SpecjaxError
+from specjax.serve.scheduler import QueueFull, Request, RequestHandle, RequestResult, Scheduler
+
+
+class BadRequest(SpecjaxError):
+    pass
+
+
+def _number(body: dict, name: str, kind, default, low=None, high=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    value = kind(value)
+    if low is not None and value < low or high is not None and value > high:
+        raise BadRequest(f"'{name}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise BadRequest(f"'stop' must be a string or a list of strings, got {stop!r}")
+
+
+def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request, bool]:
+    """An OpenAI request body -> (Request, stream); raises BadRequest with a message for the client."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != scheduler.model.name:
+        raise BadRequest(f"unknown model {model!r}; this server serves {scheduler.model.name!r}")
+    tokenizer = scheduler.model.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content")
+        if tokenizer is None:
+            raise BadRequest("this model has no tokenizer; use /v1/completions with token ids")
+        prompt = tokenizer.encode_chat(messages)
+    else:
+        raw = body.get("prompt")
+        if isinstance(raw, str):
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
+            prompt = tokenizer.encode(raw) if raw else []
+        elif isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            prompt = list(raw)
+        else:
+            raise BadRequest("'prompt' must be a string or a list of token ids")
+    if not prompt:
+        raise BadRequest("the prompt is empty")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be true or false, got {stream!r}")
+    request = Request(
+        prompt=tuple(prompt),
+        max_tokens=_number(body, "max_tokens", int, 16 if not chat else 128, 1, scheduler.config.max_new_tokens),
+        temperature=_number(body, "temperature", float, 1.0, 0.0, 100.0),
+        top_k=max(0, _number(body, "top_k", int, 0, -1, None)),  # OpenAI clients send -1 for "off"
+        top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
+        seed=_number(body, "seed", int, None, 0, 2**63 - 1),
+        stop=_stop_strings(body),
+    )
+    if request.top_p == 0.0:
+        raise BadRequest("'top_p' must be above 0")
+    try:
+        scheduler.validate(request)
+    except SpecjaxError as error:
+        raise BadRequest(str(error)) from None
+    return request, stream
+
+
+def _usage(result: RequestResult) -> dict:
+    prompt = result.metrics.get("prompt_tokens", 0)
+    completion = len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(scheduler: Scheduler):
+    """A FastAPI app serving `scheduler`."""
+    app = FastAPI(title="specjax", version="0.1")
+    model_name = scheduler.model.name
+
+    def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                            headers=headers)
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specjax",
+                                            "max_model_len": scheduler.config.context_length}]}
+
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(scheduler.metrics.prometheus_text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def complete(http: HttpRequest, chat: bool):
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error(400, f"the request body is not valid JSON: {exc}")
+        try:
+            request, stream = _parse_request(scheduler, body, chat)
+            handle = scheduler.submit(request)
+        except QueueFull as exc:
+            return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+        except SpecjaxError as exc:
+            return error(400, str(exc))
+        created = int(time.time())
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        kind = "chat.completion" if chat else "text_completion"
+        if stream:
+            return StreamingResponse(_sse(http, handle, request_id, created, model_name, chat),
+                                     media_type="text/event-stream")
+        try:
+            result = await _wait_or_cancel(http, handle)
+        except _Disconnected:
+            return error(499, "client disconnected")
+        if result.finish_reason == "error":
+            return error(500, result.error or "decoding failed", "server_error")
+        choice = {"index": 0, "finish_reason": _finish_reason(result), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+            choice["token_ids"] = result.token_ids
+        return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
+                "usage": _usage(result), "metrics": result.metrics}
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await complete(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await complete(http, chat=True)
+
+    return app
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _wait_or_cancel(http, handle: RequestHandle) -> RequestResult:
+    """The request's result; if the client goes away first, cancel it (freeing its slot)."""
+    import asyncio
+
+    waiter = asyncio.ensure_future(handle.wait())
+    while True:
+        done, _ = await asyncio.wait({waiter}, timeout=0.25)
+        if done:
+            return waiter.result()
+        if await http.is_disconnected():
+            handle.cancel()
+            raise _Disconnected()
+
+
+def _finish_reason(result: RequestResult) -> str:
+    return {"cancelled": "abort"}.get(result.finish_reason, result.finish_reason)
+
+
+async def _sse(http, handle: RequestHandle, request_id: str, created: int, model: str, chat: bool):
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def chunk(delta_text: str, token_ids: list[int], finish: str | None, extra: dict | None = None) -> str:
+        choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["delta"] = {"content": delta_text} if (delta_text or finish is None) else {}
+        else:
+            choice["text"] = delta_text
+            choice["token_ids"] = token_ids
+        return event({"id": request_id, "object": kind, "created": created, "model": model, "choices": [choice],
+                      **(extra or {})})
+
+    try:
+        if chat:
+            yield event({"id": request_id, "object": kind, "created": created, "model": model,
+                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]})
+        async for piece in handle.stream():
+            if await http.is_disconnected():
+                handle.cancel()
+                return
+            yield chunk(piece.text, piece.token_ids, None)
+        result = await handle.wait()
+        if result.finish_reason == "error":
+            yield event({"error": {"message": result.error or "decoding failed", "type": "server_error", "code": 500}})
+        else:
+            yield chunk("", [], _finish_reason(result), {"usage": _usage(result), "metrics": result.metrics})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done:  # the response was abandoned (client gone): free the slot
+            handle.cancel()

@@ -1,0 +1,556 @@
+"""Continuous batching: a request queue feeding a fixed set of decode slots.
+
+One scheduler thread owns the device state. Each turn it (1) prefills waiting requests into free
+slots (`slots.insert`, one prompt bucket per call shape), (2) runs `steps_per_sync` verify steps for
+every occupied slot in one device call (`slots.step`), and (3) syncs once: new tokens go to each
+request's handle, finished rows (EOS, token limit, a stop string, cancellation) free their slot at
+once. Callers talk to it through `submit`, from any thread or event loop.
+
+Every shape is fixed at start-up (slot count, cache length, prompt buckets), and every executable is
+compiled then, so nothing recompiles under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decode import slots as slot_api
+from specjax.errors import SpecjaxError, check_at_least
+from specjax.io.dflash import LoadedDrafter, check_pair
+from specjax.io.registry import LoadedModel
+from specjax.monitor.memory import target_kv_bytes
+from specjax.monitor.serving import ServingMetrics
+
+log = logging.getLogger("specjax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How the serving engine is shaped; all of it is fixed at start-up."""
+
+    method: str = "chain"
+    """A method of `specjax.decode.slots.SLOT_METHODS`."""
+    slots: int = 8
+    """Requests decoding at once."""
+    context_length: int = 1024
+    """Cache slots per request: its prompt, its generated tokens and one verify step must fit."""
+    max_new_tokens: int = 512
+    """Most tokens any request may ask for."""
+    steps_per_sync: int = 4
+    """Verify steps per device call; more means fewer host syncs, coarser streaming."""
+    prompt_bucket: int = 32
+    """Prompts are padded to a power-of-two multiple of this (one compiled insert per bucket)."""
+    max_queue: int = 256
+    """Requests waiting for a slot beyond which submit refuses (the server answers 429)."""
+
+    def __post_init__(self):
+        check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
+                       steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One completion request, as token ids."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    """None: a fresh seed per request (sampled requests then differ run to run)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the output (not included in it); needs a tokenizer."""
+
+
+@dataclasses.dataclass
+class Chunk:
+    """What one host sync brought a request."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass
+class RequestResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    """"stop" (EOS or a stop string), "length", "cancelled" or "error"."""
+    error: str | None
+    metrics: dict[str, Any]
+    """Timing and speculative metrics of this request (see Scheduler._request_metrics)."""
+
+
+class QueueFull(SpecjaxError):
+    """The request queue is at max_queue; try again later."""
+
+
+class RequestHandle:
+    """A submitted request: iterate it (sync or async) for streamed chunks, `cancel()` it, or wait
+    for its `result()`."""
+
+    def __init__(self, request_id: int, request: Request, scheduler: "Scheduler"):
+        self.id = request_id
+        self.request = request
+        self._scheduler = scheduler
+        self._chunks: list[Chunk] = []
+        self._result: RequestResult | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.cancelled = False
+
+    # ---- called by the scheduler thread ----
+
+    def _push(self, chunk: Chunk | None = None, result: RequestResult | None = None) -> None:
+        with self._cond:
+            if chunk is not None:
+                self._chunks.append(chunk)
+            if result is not None:
+                self._result = result
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the caller's loop has closed; nobody is listening
+                pass
+
+    # ---- caller side ----
+
+    def cancel(self) -> None:
+        """Stop decoding this request and free its slot; its result says "cancelled"."""
+        self.cancelled = True
+        self._scheduler._wake()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._result is not None, timeout):
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+            return self._result
+
+    def __iter__(self) -> Iterator[Chunk]:
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._chunks) > seen or self._result is not None)
+                fresh, finished = self._chunks[seen:], self._result is not None and len(self._chunks) == seen
+            if finished:
+                return
+            seen += len(fresh)
+            yield from fresh
+
+    async def stream(self):
+        """Async iteration over chunks, for an event loop (the HTTP server)."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        seen = 0
+        try:
+            while True:
+                with self._cond:
+                    fresh, finished = self._chunks[seen:], self._result is not None
+                    event.clear()
+                seen += len(fresh)
+                for chunk in fresh:
+                    yield chunk
+                if finished and not fresh:
+                    return
+                if not fresh:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    async def wait(self) -> RequestResult:
+        async for _ in self.stream():
+            pass
+        return self._result
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host-side bookkeeping of a request holding a slot."""
+
+    handle: RequestHandle
+    arrived: float
+    admitted: float
+    emitted: int = 0
+    text: str = ""
+    first_token_at: float | None = None
+    last_chunk_at: float | None = None
+    steps_reported: int = 0
+    reached_reported: np.ndarray | None = None
+
+
+class Scheduler:
+    """Continuous batching over `config.slots` slots for one model (and drafter)."""
+
+    def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, config: ServeConfig = ServeConfig(),
+                 metrics_log: str | None = None, compile_now: bool = True):
+        method = slot_api.slot_method(config.method)
+        if method.needs_drafter and drafter is None:
+            raise SpecjaxError(f"method {config.method!r} needs a drafter")
+        if drafter is not None and method.needs_drafter:
+            check_pair(drafter, model.config)
+        else:
+            drafter = None
+        self.model, self.drafter, self.config = model, drafter, config
+        block = 1 if drafter is None else drafter.config.block_size
+        # A verify step writes up to one block (or the padded query rows) past a row's committed tokens.
+        self.step_slack = max(block, model.config.query_rows or 1)
+        if config.max_new_tokens + self.step_slack + 1 > config.context_length:
+            raise SpecjaxError(f"context_length {config.context_length} leaves no room for a prompt with "
+                               f"max_new_tokens {config.max_new_tokens}")
+        cache_length = -(-config.context_length // 64) * 64
+        self.statics = slot_api.SlotStatics(
+            target_config=model.config.with_kv_rings(self.step_slack),
+            slot=slot_api.SlotConfig(slots=config.slots, cache_length=cache_length,
+                                     max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync),
+            eos_token_ids=tuple(model.eos_token_ids),
+            drafter_config=None if drafter is None else drafter.config,
+        )
+        self.max_prompt = config.context_length - self.step_slack - 1
+        self.prompt_buckets = self._buckets()
+        self._drafter_params = None if drafter is None else drafter.params
+        self._draft_vocab = None if drafter is None or drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
+        self.metrics = ServingMetrics(config.method, block - 1, metrics_log)
+        self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
+        if drafter is not None:
+            from specjax.monitor.memory import drafter_state_breakdown
+            per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
+            if per_token:
+                self._bytes_per_token["drafter"] = per_token
+
+        self._state = slot_api.empty_slots(self.statics)
+        self._waiting: collections.deque[tuple[RequestHandle, float]] = collections.deque()
+        self._live: dict[int, _Live] = {}  # slot -> request
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._ids = itertools.count()
+        self._stopping = False
+        self._accepting = True
+        self._compiled: dict[str, Any] = {}
+        self.compile_seconds = 0.0
+        if compile_now:
+            self.compile()
+        self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- shapes and compilation ----
+
+    def _buckets(self) -> tuple[int, ...]:
+        buckets, size = [], self.config.prompt_bucket
+        while size < self.max_prompt:
+            buckets.append(size)
+            size *= 2
+        return tuple(buckets) + (self.max_prompt,)
+
+    def _bucket_for(self, length: int) -> int:
+        return next(b for b in self.prompt_buckets if b >= length)
+
+    def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p):
+        return slot_api.InsertRequest(
+            rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
+            prompt_lengths=jnp.asarray(lengths, jnp.int32), max_new_tokens=jnp.asarray(max_new, jnp.int32),
+            seeds=jnp.asarray(seeds, jnp.uint32),
+            sampling=slot_api.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                                          jnp.asarray(top_p, jnp.float32)))
+
+    def compile(self) -> None:
+        """Compile the step and one insert per prompt bucket now, so no request waits for XLA."""
+        started = time.perf_counter()
+        params = self.model.params
+        self._compiled["step"] = slot_api.step.lower(params, self._drafter_params, self._draft_vocab, self._state,
+                                                     method=self.config.method, statics=self.statics).compile()
+        for bucket in self.prompt_buckets:
+            request = self._insert_request([self.config.slots], np.zeros((1, bucket)), [1], [1], [0], [0.0], [0], [1.0])
+            self._compiled[bucket] = slot_api.insert.lower(params, self._drafter_params, self._state, request,
+                                                           statics=self.statics).compile()
+        self.compile_seconds = time.perf_counter() - started
+        print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step and "
+              f"{len(self.prompt_buckets)} prompt buckets ({', '.join(map(str, self.prompt_buckets))}) in "
+              f"{self.compile_seconds:.1f} s", file=sys.stderr, flush=True)
+
+    # ---- the public API ----
+
+    def validate(self, request: Request) -> None:
+        """Refuse a request the engine cannot serve, with a message saying why."""
+        if not request.prompt:
+            raise SpecjaxError("the prompt is empty; give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in request.prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise SpecjaxError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not 1 <= request.max_tokens <= self.config.max_new_tokens:
+            raise SpecjaxError(f"max_tokens must be in [1, {self.config.max_new_tokens}], got {request.max_tokens}")
+        if len(request.prompt) > self.max_prompt:
+            raise SpecjaxError(f"the prompt has {len(request.prompt)} tokens; this server takes at most "
+                               f"{self.max_prompt}")
+        if len(request.prompt) + request.max_tokens + self.step_slack > self.config.context_length:
+            raise SpecjaxError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                               f"the context of {self.config.context_length - self.step_slack} tokens")
+        if not 0 <= request.temperature < float("inf"):
+            raise SpecjaxError(f"temperature must be a finite number >= 0, got {request.temperature}")
+        if request.top_k < 0:
+            raise SpecjaxError(f"top_k must be >= 0, got {request.top_k}")
+        if not 0.0 < request.top_p <= 1.0:
+            raise SpecjaxError(f"top_p must be in (0, 1], got {request.top_p}")
+        if request.stop and self.model.tokenizer is None:
+            raise SpecjaxError("stop strings need a tokenizer; this model has none")
+        if any(not s for s in request.stop):
+            raise SpecjaxError("a stop string is empty")
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue a request; returns at once. Raises SpecjaxError for a bad request and QueueFull when
+        max_queue requests already wait."""
+        self.validate(request)
+        with self._lock:
+            if not self._accepting:
+                raise SpecjaxError("the server is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+            handle = RequestHandle(next(self._ids), request, self)
+            self._waiting.append((handle, time.perf_counter()))
+            self.metrics.queue_depth(len(self._live), len(self._waiting))
+        self._wake()
+        return handle
+
+    def generate(self, request: Request) -> RequestResult:
+        return self.submit(request).result()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting requests; with drain, finish those in flight (and queued) first, else cancel them."""
+        with self._lock:
+            self._accepting = False
+            if not drain:
+                for handle, _ in self._waiting:
+                    handle.cancelled = True
+                for live in self._live.values():
+                    live.handle.cancelled = True
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while drain and (self._waiting or self._live) and self._thread.is_alive():
+            if deadline is not None and time.perf_counter() > deadline:
+                return self.shutdown(drain=False)
+            time.sleep(0.05)
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=60)
+        self.metrics.close()
+
+    # ---- the scheduler thread ----
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self._drop_cancelled_waiting()
+                self._admit()
+                if not self._live:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                started = time.perf_counter()
+                self._state = self._compiled_step()(self.model.params, self._drafter_params, self._draft_vocab,
+                                                    self._state)
+                self._collect(time.perf_counter() - started)
+            except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
+                log.exception("decode step failed")
+                self._fail_all(f"{type(error).__name__}: {error}")
+                self._state = slot_api.empty_slots(self.statics)
+
+    def _compiled_step(self):
+        return self._compiled.get("step") or (lambda *a: slot_api.step(*a, method=self.config.method,
+                                                                        statics=self.statics))
+
+    def _drop_cancelled_waiting(self) -> None:
+        with self._lock:
+            kept = collections.deque()
+            for handle, arrived in self._waiting:
+                if handle.cancelled:
+                    self._finish_unstarted(handle, arrived, "cancelled")
+                else:
+                    kept.append((handle, arrived))
+            self._waiting = kept
+
+    def _finish_unstarted(self, handle: RequestHandle, arrived: float, reason: str, error: str | None = None):
+        e2e = time.perf_counter() - arrived
+        handle._push(result=RequestResult([], "", reason, error, {"e2e_s": e2e, "queue_s": e2e}))
+        self.metrics.finished(reason, e2e)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.config.slots) if s not in self._live]
+        admitted = False
+        while free:
+            with self._lock:
+                if not self._waiting:
+                    break
+                handle, arrived = self._waiting.popleft()
+            slot = free.pop(0)
+            request = handle.request
+            bucket = self._bucket_for(len(request.prompt))
+            prompt = np.zeros((1, bucket), np.int32)
+            prompt[0, : len(request.prompt)] = request.prompt
+            seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
+            insert = self._insert_request([slot], prompt, [len(request.prompt)], [request.max_tokens],
+                                          [seed % 2**32], [request.temperature], [request.top_k], [request.top_p])
+            started = time.perf_counter()
+            try:
+                run = self._compiled.get(bucket) or (lambda *a: slot_api.insert(*a, statics=self.statics))
+                self._state = run(self.model.params, self._drafter_params, self._state, insert)
+            except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
+                log.exception("prefill failed")
+                self._finish_unstarted(handle, arrived, "error", f"{type(error).__name__}: {error}")
+                free.insert(0, slot)
+                continue
+            now = time.perf_counter()
+            self.metrics.timing("prefill", now - started)
+            self.metrics.admitted(now - arrived, len(request.prompt))
+            self._live[slot] = _Live(handle, arrived, admitted=now,
+                                     reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))
+            self.metrics.queue_depth(len(self._live), len(self._waiting))
+            admitted = True
+        # The first tokens came from the prefills: stream them now rather than after a step.
+        if admitted:
+            self._collect(None)
+
+    def _collect(self, step_seconds: float | None) -> None:
+        """One host sync: stream new tokens, finish rows that ended, report metrics."""
+        state = self._state
+        tokens, counts, done, steps, histogram, lengths = jax.device_get(
+            (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths))
+        now = time.perf_counter()
+        if step_seconds is not None:
+            self.metrics.timing("step", step_seconds)
+        tokenizer = self.model.tokenizer
+        block = self.statics.block
+        for slot, live in list(self._live.items()):
+            request = live.handle.request
+            count = int(counts[slot])
+            new = tokens[slot, live.emitted : count].tolist()
+            reason = None
+            text_delta = ""
+            if tokenizer is not None and new:
+                text = tokenizer.decode(tokens[slot, :count].tolist())
+                if text.endswith("\ufffd") and not done[slot]:
+                    text = live.text  # an incomplete UTF-8 sequence: wait for the rest of its bytes
+                cut = _find_stop(text, request.stop, len(live.text))
+                if cut is not None:
+                    text, reason = text[:cut], "stop"
+                    new = _ids_within(tokenizer, tokens[slot, :count].tolist(), live.emitted, text)
+                text_delta, live.text = text[len(live.text):], text
+            if new or text_delta:
+                if live.first_token_at is None:
+                    live.first_token_at = now
+                    self.metrics.first_token(now - live.arrived)
+                self.metrics.tokens_streamed(len(new), None if live.last_chunk_at is None else now - live.last_chunk_at)
+                live.last_chunk_at = now
+                live.emitted += len(new)
+                live.handle._push(Chunk(new, text_delta))
+            # Speculative counters: verify steps and draft positions reached since the last sync.
+            if block > 1:
+                reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
+                self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, block - 1,
+                                          (reached - live.reached_reported).tolist())
+                live.steps_reported, live.reached_reported = int(steps[slot]), reached
+            if reason is None and done[slot]:
+                reason = "length" if count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count]) \
+                    else "stop"
+            if reason is None and live.handle.cancelled:
+                reason = "cancelled"
+            if reason is not None:
+                self._finish(slot, live, reason, now, steps[slot], histogram[slot])
+        self._report_memory(lengths)
+
+    def _ends_with_eos(self, ids) -> bool:
+        return len(ids) > 0 and int(ids[-1]) in self.model.eos_token_ids
+
+    def _finish(self, slot: int, live: _Live, reason: str, now: float, steps, histogram) -> None:
+        del self._live[slot]  # the slot is free now; the next insert overwrites its row
+        metrics = self._request_metrics(live, now, int(steps), np.asarray(histogram))
+        ids = [t for chunk in live.handle._chunks for t in chunk.token_ids]
+        result = RequestResult(ids, live.text, reason, None, metrics)
+        live.handle._push(result=result)
+        self.metrics.finished(reason, now - live.arrived, {"id": live.handle.id, "finish_reason": reason, **metrics})
+        self.metrics.queue_depth(len(self._live), len(self._waiting))
+
+    def _request_metrics(self, live: _Live, now: float, steps: int, histogram: np.ndarray) -> dict:
+        """Per-request metrics, named as vLLM's and SGLang's responses name them."""
+        out = {
+            "queue_s": live.admitted - live.arrived,
+            "ttft_s": None if live.first_token_at is None else live.first_token_at - live.arrived,
+            "e2e_s": now - live.arrived,
+            "prompt_tokens": len(live.handle.request.prompt),
+            "completion_tokens": live.emitted,
+            "method": self.config.method,
+        }
+        if self.statics.block > 1:
+            committed = float((histogram * (np.arange(len(histogram)) + 1)).sum())
+            reached = histogram[::-1].cumsum()[::-1][1:]
+            out["speculative_decoding"] = {
+                "mean_acceptance_length": committed / steps if steps else 0.0,
+                "acceptance_rate": float(reached.sum() / (steps * (len(histogram) - 1))) if steps else 0.0,
+                "per_position_acceptance": (reached / steps).tolist() if steps else [],
+                "acceptance_histogram": histogram.tolist(),
+                "verify_steps": steps,
+            }
+        return out
+
+    def _report_memory(self, lengths) -> None:
+        used = {slot: int(lengths[slot]) for slot in self._live}
+        tokens_held = sum(used.values())
+        capacity = self.config.slots * self.statics.slot.cache_length
+        bytes_in_use = {part: tokens_held * per for part, per in self._bytes_per_token.items()}
+        self.metrics.memory(tokens_held / capacity, bytes_in_use, self._bytes_per_token)
+
+    def _fail_all(self, message: str) -> None:
+        now = time.perf_counter()
+        for slot, live in list(self._live.items()):
+            del self._live[slot]
+            live.handle._push(result=RequestResult([], live.text, "error", message, {"e2e_s": now - live.arrived}))
+            self.metrics.finished("error", now - live.arrived)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], already: int) -> int | None:
+    """Where the first stop string begins in text, looking only where it could newly complete."""
+    best = None
+    for stop in stops:
+        at = text.find(stop, max(0, already - len(stop) + 1))
+        if at >= 0 and (best is None or at < best):
+            best = at
+    return best
+
+
+def _ids_within(tokenizer, ids: list[int], emitted: int, text: str) -> list[int]:
+    """The new token ids (past `emitted`) whose decoded text fits within `text` (a stop string cut it)."""
+    kept = emitted
+    while kept < len(ids) and len(tokenizer.decode(ids[: kept + 1])) <= len(text):
+        kept += 1
+    return ids[emitted:kept]

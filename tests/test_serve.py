@@ -1,0 +1,405 @@
+"""Serving: the slot-level step API, continuous batching and the OpenAI-compatible server.
+
+Exactness first: a greedy request decoded in a slot, with others joining and leaving around it,
+gives the tokens of `Engine.generate`; sampled rows follow the target's exact distribution, and a
+broken acceptance rule fails that check. Then the API contract over real HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import slots
+from specjax.decode.engine import Engine
+from specjax.decode.sampling import SamplingConfig
+from specjax.errors import SpecjaxError
+from specjax.io.registry import LoadedModel
+from specjax.serve.scheduler import QueueFull, Request, Scheduler, ServeConfig
+
+from stats import chi_square_pvalue
+from test_decode import TINY
+from test_speculative import SAMPLINGS, _broken_impl, _exact_marginals
+
+PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2], [2, 2], [9, 1, 1, 1, 8], [6, 5]]
+
+
+def _config(method, slot_count=2, **kw):
+    return ServeConfig(method=method, slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=3,
+                       prompt_bucket=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def chain_scheduler(target, drafter):
+    scheduler = Scheduler(target, drafter, _config("chain"))
+    yield scheduler
+    scheduler.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ar", "chain"])
+def test_greedy_requests_through_slots_equal_generate(target, drafter, chain_scheduler, method):
+    """Six requests through two slots: rows are refilled as others finish, with ragged lengths and
+    limits, and each output is Engine.generate's for that prompt alone."""
+    # Schedulers built with compile_now=False share jit's cache: the AR tests below compile once.
+    scheduler = chain_scheduler if method == "chain" else Scheduler(target, None, _config("ar"), compile_now=False)
+    limits = [20, 5, 17, 24, 1, 9]
+    handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(PROMPTS, limits)]
+    results = [h.result(timeout=120) for h in handles]
+    # Greedy output under a smaller limit is the prefix of the output under the largest one.
+    longest = Engine(target, drafter).generate(PROMPTS, max(limits), method=method).tokens
+    for prompt, limit, result, whole in zip(PROMPTS, limits, results, longest):
+        expected = whole[:limit]
+        assert result.token_ids == expected, (prompt, limit)
+        assert result.finish_reason == ("stop" if expected[-1] in target.eos_token_ids else "length")
+    if method == "chain":
+        spec = results[0].metrics["speculative_decoding"]
+        assert spec["verify_steps"] >= 1 and spec["mean_acceptance_length"] >= 1.0
+        assert len(spec["per_position_acceptance"]) == drafter.config.block_size - 1
+        assert sum(spec["acceptance_histogram"]) == spec["verify_steps"]
+    else:
+        scheduler.shutdown()
+
+
+def test_streamed_chunks_add_up_to_the_result(chain_scheduler):
+    handle = chain_scheduler.submit(Request((1, 5, 2), max_tokens=20, temperature=0.0))
+    chunks = list(handle)
+    assert len(chunks) >= 2, "a 20-token answer over 3-step syncs arrives in several chunks"
+    assert [t for c in chunks for t in c.token_ids] == handle.result().token_ids
+
+
+def test_a_seeded_sampled_request_is_reproducible_whatever_shares_the_batch(chain_scheduler):
+    request = Request((4, 4, 9), max_tokens=16, temperature=1.0, seed=1234)
+    alone = chain_scheduler.submit(request).result(timeout=60).token_ids
+    others = [chain_scheduler.submit(Request(tuple(p), max_tokens=12, temperature=0.7, seed=i))
+              for i, p in enumerate(PROMPTS[:3])]
+    again = chain_scheduler.submit(request)
+    for h in others:
+        h.result(timeout=60)
+    assert again.result(timeout=60).token_ids == alone
+    different = chain_scheduler.submit(Request((4, 4, 9), max_tokens=16, temperature=1.0, seed=99)).result(60)
+    assert different.token_ids != alone
+
+
+def _sample_through_slots(target, drafter, sampling: SamplingConfig, prompt, count, depth, seed, step_fn=None):
+    """count rows of one prompt decoded `depth` tokens by the slot API directly (one insert call)."""
+    statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=count, cache_length=64, max_new_tokens=depth,
+                                                       steps_per_sync=depth, insert_rows=count), (),
+                                drafter.config)
+    state = slots.empty_slots(statics)
+    rows = lambda v, dt: jnp.full((count,), v, dt)  # noqa: E731
+    request = slots.InsertRequest(
+        rows=jnp.arange(count, dtype=jnp.int32), prompts=jnp.asarray([prompt] * count, jnp.int32),
+        prompt_lengths=rows(len(prompt), jnp.int32), max_new_tokens=rows(depth, jnp.int32),
+        seeds=jnp.arange(count, dtype=jnp.uint32) + seed * count,
+        sampling=slots.RowSampling(rows(sampling.temperature, jnp.float32), rows(sampling.top_k, jnp.int32),
+                                   rows(sampling.top_p, jnp.float32)))
+    state = slots.insert(target.params, drafter.params, state, request, statics=statics)
+    state = (step_fn or slots.step)(target.params, drafter.params, None, state, method="chain", statics=statics)
+    assert bool(state.done.all())
+    return np.asarray(state.tokens[:, :depth]), np.asarray(state.accepted_histogram)
+
+
+@pytest.mark.parametrize("sampling", [SAMPLINGS[0], pytest.param(SAMPLINGS[1], marks=pytest.mark.slow)])
+def test_sampled_slots_match_the_exact_target_distribution(target, drafter, sampling):
+    prompt, depth = [1, 5, 2], 3
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth)
+    out, histogram = _sample_through_slots(target, drafter, sampling, prompt, 10_000, depth, seed=5)
+    accepted_first = histogram[:, 1:].sum() / histogram.sum()
+    assert 0.1 < accepted_first < 0.99  # both branches of the acceptance rule exercised
+    for position in range(depth):
+        counts = np.bincount(out[:, position], minlength=TINY.vocab_size)
+        assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
+
+
+def test_a_broken_acceptance_rule_fails_through_slots(target, drafter, monkeypatch):
+    prompt, depth = [1, 5, 2], 2
+    exact = _exact_marginals(target.params, np.asarray(prompt), SAMPLINGS[0], depth)
+    monkeypatch.setattr(slots, "accept_sampled", _broken_impl)
+    broken_step = jax.jit(slots.step.__wrapped__, static_argnames=("method", "statics"))
+    out, _ = _sample_through_slots(target, drafter, SAMPLINGS[0], prompt, 10_000, depth, seed=6, step_fn=broken_step)
+    pvalue = chi_square_pvalue(np.bincount(out[:, 1], minlength=TINY.vocab_size), exact[1])
+    assert pvalue < 1e-6, pvalue
+
+
+def test_row_filters_match_the_static_sampling_filters():
+    from specjax.decode.sampling import processed_logits
+
+    logits = jax.random.normal(jax.random.key(0), (4, 3, 50)) * 3
+    configs = [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8),
+               SamplingConfig(0.9, top_k=7, top_p=0.6)]
+    row = slots.RowSampling(jnp.asarray([c.temperature for c in configs]), jnp.asarray([c.top_k for c in configs]),
+                            jnp.asarray([c.top_p for c in configs]))
+    got = np.asarray(slots.row_processed_logits(logits, row))
+    for i, config in enumerate(configs):
+        want = np.asarray(processed_logits(logits[i], config))
+        np.testing.assert_allclose(got[i], want, rtol=1e-6)
+    greedy = np.asarray(slots.row_processed_logits(logits, slots.RowSampling.greedy(4)))
+    assert ((greedy == 0) == (np.arange(50) == np.asarray(logits).argmax(-1)[..., None])).all()
+    assert np.isneginf(greedy[greedy != 0]).all()
+
+
+def test_cancel_frees_the_slot_and_a_full_queue_refuses(target, monkeypatch):
+    scheduler = Scheduler(target, None, _config("ar", max_queue=2), compile_now=False)
+    try:
+        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission: the queue fills
+        first = scheduler.submit(Request((1, 2), max_tokens=24, temperature=0.0))
+        waiting = [scheduler.submit(Request((3,), max_tokens=24, temperature=0.0))]
+        with pytest.raises(QueueFull, match="max_queue 2"):
+            scheduler.submit(Request((3,), max_tokens=24, temperature=0.0))
+        monkeypatch.undo()
+        for handle in [first] + waiting:
+            handle.cancel()
+        reasons = {h.result(timeout=60).finish_reason for h in [first] + waiting}
+        assert reasons <= {"cancelled", "length", "stop"} and "cancelled" in reasons
+        deadline = time.time() + 30
+        while scheduler.num_running and time.time() < deadline:
+            time.sleep(0.05)
+        assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+        after = scheduler.submit(Request((1, 2), max_tokens=3, temperature=0.0)).result(timeout=60)
+        assert after.finish_reason in ("length", "stop") and after.token_ids
+    finally:
+        scheduler.shutdown(drain=False)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (Request((), max_tokens=4), "empty"),
+    (Request((1, 99), max_tokens=4), "outside the vocabulary"),
+    (Request((1,), max_tokens=0), "max_tokens"),
+    (Request((1,), max_tokens=25), "max_tokens"),
+    (Request((1,) * 50, max_tokens=24), "exceeds the context"),
+    (Request((1,), max_tokens=4, temperature=-1.0), "temperature"),
+    (Request((1,), max_tokens=4, top_p=0.0), "top_p"),
+    (Request((1,), max_tokens=4, stop=("x",)), "tokenizer"),
+])
+def test_bad_requests_are_refused_with_a_reason(chain_scheduler, bad, message):
+    with pytest.raises(SpecjaxError, match=message):
+        chain_scheduler.submit(bad)
+
+
+# ---- the HTTP server ----
+
+def _tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (id i <-> word 'w{i}'), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from specjax.io.tokenizer import TextTokenizer
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY.vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return TextTokenizer(backend, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}w1",
+                         eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def server(target, drafter):
+    import uvicorn
+
+    from specjax.serve.http import create_app
+
+    model = LoadedModel("tiny", TINY, target.params, _tiny_tokenizer(), target.eos_token_ids)
+    scheduler = Scheduler(model, drafter, _config("chain", slot_count=2, max_queue=64))
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", scheduler, model
+    server.should_exit = True
+    thread.join(timeout=30)
+    scheduler.shutdown(drain=False)
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completions_through_the_openai_client_equal_generate(server, drafter):
+    url, scheduler, model = server
+    client = _client(url)
+    expected = Engine(model, drafter).generate([[1, 5, 2]], 12, method="chain").tokens[0]
+    response = client.completions.create(model="tiny", prompt=[1, 5, 2], max_tokens=12, temperature=0)
+    assert response.choices[0].text == model.tokenizer.decode(expected)
+    assert response.usage.completion_tokens == len(expected) and response.usage.prompt_tokens == 3
+    extra = response.model_extra
+    assert extra["metrics"]["speculative_decoding"]["verify_steps"] >= 1
+    assert response.choices[0].model_extra["token_ids"] == expected
+
+    streamed = client.completions.create(model="tiny", prompt=[1, 5, 2], max_tokens=12, temperature=0, stream=True)
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces) == response.choices[0].text
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_completions_streamed_and_not(server):
+    url, _, model = server
+    client = _client(url)
+    messages = [{"role": "user", "content": "w5 w2 w7"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant" and text
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    stopped = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                             stop=[text.split()[1]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert text.startswith(stopped.choices[0].message.content) and len(stopped.choices[0].message.content) < len(text)
+
+
+def test_models_health_and_prometheus_metrics(server):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, scheduler, _ = server
+    scheduler.submit(Request((1, 5, 2), max_tokens=12, temperature=0.0)).result(timeout=60)
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    for name in ("specjax:spec_decode_num_drafts", "specjax:spec_decode_num_accepted_tokens_per_pos",
+                 "specjax:time_to_first_token_seconds", "specjax:num_requests_running",
+                 "specjax:kv_cache_usage_perc"):
+        assert name in families, name
+    drafts = [s.value for s in families["specjax:spec_decode_num_drafts"].samples if s.name.endswith("_total")]
+    assert drafts and drafts[0] > 0
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"prompt": [1, 2], "model": "other"}), "unknown model"),
+    (json.dumps({"prompt": [1, 2], "max_tokens": "ten"}), "max_tokens"),
+    (json.dumps({"prompt": [1, 2], "max_tokens": 10_000}), "max_tokens"),
+    (json.dumps({"prompt": [1, 2], "temperature": -0.5}), "temperature"),
+    (json.dumps({"prompt": [1, 2], "top_p": 0}), "top_p"),
+    (json.dumps({"prompt": ""}), "empty"),
+    (json.dumps({"prompt": [1] * 45, "max_tokens": 20}), "exceeds the context"),
+])
+def test_bad_http_requests_get_400_with_a_message(server, body, message):
+    import httpx
+
+    url, _, _ = server
+    response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+
+
+def test_a_full_queue_answers_429_with_retry_after(target, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from specjax.serve.http import create_app
+
+    scheduler = Scheduler(target, None, _config("ar", max_queue=1), compile_now=False)
+    try:
+        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission so the queue stays full
+        queued = scheduler.submit(Request((1, 2), max_tokens=4, temperature=0.0))
+        response = TestClient(create_app(scheduler)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert "waiting" in response.json()["error"]["message"]
+        monkeypatch.undo()
+        assert queued.result(timeout=60).finish_reason in ("length", "stop")
+    finally:
+        scheduler.shutdown(drain=False)
+
+
+# ---- the load generator and the live view ----
+
+def test_arrivals_follow_the_rate_and_burstiness():
+    from specjax.serve.loadgen import LoadSpec, arrival_times
+
+    times = arrival_times(LoadSpec(request_rate=4.0, burstiness=1.0, num_requests=4000, seed=1))
+    gaps = np.diff(times)
+    assert abs(gaps.mean() - 0.25) < 0.02 and abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # exponential: cv 1
+    regular = np.diff(arrival_times(LoadSpec(request_rate=4.0, burstiness=16.0, num_requests=4000, seed=1)))
+    assert regular.std() / regular.mean() < 0.35  # gamma shape 16: cv 1/4
+    assert (arrival_times(LoadSpec(num_requests=5)) == 0).all()  # infinite rate: all at once
+
+
+def test_the_load_generator_refuses_remote_hosts_and_bad_slos():
+    from specjax.serve.loadgen import LoadSpec, check_loopback, parse_goodput
+
+    check_loopback("http://127.0.0.1:8000")
+    with pytest.raises(SpecjaxError, match="loopback"):
+        check_loopback("http://example.com:8000")
+    assert parse_goodput("ttft:500,tpot:50") == {"ttft": 500.0, "tpot": 50.0}
+    for bad in ("latency:5", "ttft:fast"):
+        with pytest.raises(SpecjaxError):
+            parse_goodput(bad)
+    with pytest.raises(SpecjaxError):
+        LoadSpec(request_rate=0)
+
+
+def test_bench_serve_against_the_server(server):
+    """A bounded burst through the real server: every request completes, and the summary holds the
+    fields vllm bench serve users read."""
+    from specjax.serve.loadgen import LoadSpec, benchmark
+
+    url, _, _ = server
+    summary = benchmark(url, ["w1 w2 w3", "w4 w5"], LoadSpec(request_rate=50.0, num_requests=12, max_tokens=8,
+                                                              time_limit_s=120, chat=False),
+                        goodput={"ttft": 60_000})
+    assert summary["completed"] == 12 and summary["failed"] == 0, summary["first_errors"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
+    assert summary["ttft_ms"]["p50"] <= summary["e2el_ms"]["p50"]
+    assert summary["output_token_throughput"] > 0 and summary["goodput"] > 0
+
+
+def test_the_dashboard_reads_the_metrics_it_is_given():
+    from rich.console import Console
+
+    from specjax.monitor.serving import ServingMetrics
+    from specjax.serve.top import histogram_quantile, parse_metrics, render, summarize
+
+    metrics = ServingMetrics("chain", 3)
+    metrics.verify_steps(10, 3, [6, 3, 1])  # 10 drafts, 10 accepted: tau 2.0
+    for seconds in (0.1, 0.2, 0.3, 0.4):
+        metrics.first_token(seconds)
+    metrics.memory(0.25, {"target": 3 * 2**20}, {"target": 4096})
+    metrics.queue_depth(running=2, waiting=5)
+    view = summarize(parse_metrics(metrics.prometheus_text()), None)
+    assert view["tau_overall"] == pytest.approx(2.0)
+    assert view["per_position"] == pytest.approx([0.6, 0.3, 0.1])
+    assert view["running"] == 2 and view["waiting"] == 5 and view["kv_usage"] == 0.25
+    assert 0.1 <= view["ttft"][0.5] <= 0.3
+    assert histogram_quantile([(1.0, 0), (2.0, 10), (float("inf"), 10)], 0.5) == pytest.approx(1.5)
+    console = Console(width=120, record=True)
+    console.print(render(view, "http://127.0.0.1:1"))
+    screen = console.export_text()
+    assert "2.00 overall" in screen and "running 2" in screen and "waiting 5" in screen and "chain" in screen
+
+
+def test_specjax_top_in_tmux_shows_the_servers_numbers(server, tmp_path):
+    """Start `specjax top` in a tmux pane against the live server and read the screen as a person would."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    url, scheduler, _ = server
+    scheduler.submit(Request((1, 5, 2), max_tokens=12, temperature=0.0)).result(timeout=60)
+    session = f"specjax-top-{int(time.time() * 1000)}"
+    command = f"{sys.executable} -m specjax.cli top --url {url} --interval 0.5"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command], check=True)
+    try:
+        screen = ""
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            time.sleep(1.0)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+            if "overall" in screen and "TTFT" in screen:
+                break
+        assert "specjax top" in screen and "method chain" in screen, screen
+        assert "overall" in screen and "acceptance per draft position" in screen and "TTFT" in screen, screen
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
