@@ -233,6 +233,7 @@ def test_checkpoint_round_trip_and_bad_files(drafter, tmp_path):
         load_refiner(tmp_path / "r")
 
 
+@pytest.mark.slow  # 20 s; moved out of the default suite to make room for the serving tests
 def test_training_improves_the_held_out_acceptance_estimate(target, tmp_path):
     """On a weak (untrained) drafter the refiner has plenty to add: the token to the left alone
     predicts much of the tiny target's next choice."""

@@ -197,14 +197,12 @@ def _tiny_tokenizer():
                          eos_token_ids=(3,))
 
 
-@pytest.fixture(scope="module")
-def server(target, drafter):
+def _serve_in_thread(scheduler):
+    """uvicorn on 127.0.0.1 (a free port) in a thread; returns (url, stop)."""
     import uvicorn
 
     from specjax.serve.http import create_app
 
-    model = LoadedModel("tiny", TINY, target.params, _tiny_tokenizer(), target.eos_token_ids)
-    scheduler = Scheduler(model, drafter, _config("chain", slot_count=2, max_queue=64))
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -212,10 +210,22 @@ def server(target, drafter):
     while not server.started and time.time() < deadline:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", scheduler, model
-    server.should_exit = True
-    thread.join(timeout=30)
-    scheduler.shutdown(drain=False)
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=30)
+        scheduler.shutdown(drain=False)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture(scope="module")
+def server(target, drafter):
+    model = LoadedModel("tiny", TINY, target.params, _tiny_tokenizer(), target.eos_token_ids)
+    scheduler = Scheduler(model, drafter, _config("chain", slot_count=2, max_queue=64))
+    url, stop = _serve_in_thread(scheduler)
+    yield url, scheduler, model
+    stop()
 
 
 def _client(url):
@@ -403,3 +413,175 @@ def test_specjax_top_in_tmux_shows_the_servers_numbers(server, tmp_path):
         assert "overall" in screen and "acceptance per draft position" in screen and "TTFT" in screen, screen
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+# ---- reliability ----
+
+class _FailingTokenizer:
+    """Decodes like the tiny tokenizer until a row has 5 tokens, then raises (a bug in one request)."""
+
+    def __init__(self):
+        self.inner = _tiny_tokenizer()
+
+    def decode(self, ids, skip_special_tokens=True):
+        if len(ids) >= 5:
+            raise RuntimeError("detokenizer exploded")
+        return self.inner.decode(ids)
+
+
+def test_an_exception_in_one_request_fails_that_request_only(target):
+    model = LoadedModel("tiny", TINY, target.params, _FailingTokenizer(), target.eos_token_ids)
+    scheduler = Scheduler(model, None, _config("ar"), compile_now=False)
+    try:
+        # Prompt [7] does not reach EOS in its first 10 greedy tokens, so it reaches the failing decode.
+        doomed = scheduler.submit(Request((7,), max_tokens=10, temperature=0.0))
+        fine = scheduler.submit(Request((1, 5, 2), max_tokens=3, temperature=0.0))
+        assert doomed.result(timeout=60).finish_reason == "error"
+        assert "detokenizer exploded" in doomed.result().error
+        assert fine.result(timeout=60).finish_reason in ("length", "stop") and fine.result().error is None
+        assert scheduler.submit(Request((2, 2), max_tokens=3, temperature=0.0)).result(60).error is None
+    finally:
+        scheduler.shutdown(drain=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_lets_in_flight_requests_finish(tmp_path):
+    """`specjax serve` in its own process: SIGTERM while a request streams; the stream still ends
+    with its last chunk and [DONE], and the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from conftest import build_tiny_hf
+
+    build_tiny_hf("llama", seed=4).save_pretrained(tmp_path / "model")
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model", str(tmp_path / "model"),
+                               "--method", "ar", "--slots", "2", "--context-length", "256", "--max-new-tokens", "200",
+                               "--steps-per-sync", "2", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        lines, signalled = [], False
+        body = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                if not signalled and len(lines) == 2:
+                    server.send_signal(signal.SIGTERM)
+                    signalled = True
+        assert signalled and lines[-1] == "[DONE]", lines[-3:]
+        final = json.loads(lines[-2])
+        assert final["choices"][0]["finish_reason"] in ("stop", "length")
+        assert final["usage"]["completion_tokens"] >= 1
+        assert server.wait(timeout=120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+        output = server.stdout.read()
+    assert "serving" in output
+
+
+@pytest.mark.slow
+def test_resident_memory_stays_flat_over_10000_requests(target):
+    """10,000 short requests through one scheduler: RSS after the last 9,000 grows by less than 64 MiB."""
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+    scheduler = Scheduler(target, None, _config("ar", slot_count=8, max_queue=256), compile_now=False)
+    try:
+        rng = np.random.default_rng(0)
+        readings = []
+        for start in range(0, 10_000, 200):
+            handles = [scheduler.submit(Request(tuple(rng.integers(0, TINY.vocab_size, 3).tolist()), max_tokens=3,
+                                                temperature=float(i % 2), seed=i))
+                       for i in range(200)]
+            for handle in handles:
+                assert handle.result(timeout=120).finish_reason in ("length", "stop")
+            if start + 200 in (1_000, 10_000):
+                readings.append(rss_mib())
+        print(f"RSS after 1,000 requests {readings[0]:.0f} MiB, after 10,000 {readings[1]:.0f} MiB")
+        assert readings[1] - readings[0] < 64, readings
+    finally:
+        scheduler.shutdown(drain=False)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_requests_through_the_server_equal_generate(smollm2):
+    """The real model and its committed drafter, held-out chat prompts sharing 3 slots."""
+    from specjax.data.prompts import heldout_prompts
+    from specjax.io.registry import resolve_drafter
+
+    drafter = resolve_drafter("default", "smollm2")
+    prompts = [smollm2.tokenizer.encode_chat(t) for t in heldout_prompts("chat")[:4]]
+    scheduler = Scheduler(smollm2, drafter, ServeConfig(method="chain", slots=3, context_length=256,
+                                                        max_new_tokens=32), compile_now=False)
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=32, temperature=0.0)) for p in prompts]
+        served = [h.result(timeout=600).token_ids for h in handles]
+    finally:
+        scheduler.shutdown()
+    engine = Engine(smollm2, drafter)
+    assert served == [engine.generate([p], 32, method="chain").tokens[0] for p in prompts]
+
+
+def test_a_client_that_disconnects_cancels_its_request(target, monkeypatch):
+    """A client gives up while its request still waits: the server notices and cancels it, so it
+    never takes a slot."""
+    import httpx
+
+    scheduler = Scheduler(target, None, _config("ar"), compile_now=False)
+    url, stop = _serve_in_thread(scheduler)
+    try:
+        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission: the request waits
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 8, "temperature": 0}, timeout=1.0)
+        deadline = time.time() + 20
+        while scheduler.num_waiting and time.time() < deadline:
+            time.sleep(0.1)
+        assert scheduler.num_waiting == 0 and scheduler.num_running == 0
+        assert 'finished_reason="cancelled"} 1.0' in scheduler.metrics.prometheus_text()
+    finally:
+        monkeypatch.undo()
+        stop()
+
+
+def test_attending_to_fewer_slots_changes_nothing_for_rows_that_fit(target):
+    """forward(attend_slots=L) reads only the first L cache slots: for rows whose context fits, the
+    logits and the written cache are those of the full read."""
+    from specjax.models.cache import KVCache
+    from specjax.models.transformer import forward
+
+    rng = np.random.default_rng(0)
+    cache = KVCache.zeros(TINY, 3, 64)
+    prompt = jnp.asarray(rng.integers(0, TINY.vocab_size, (3, 20)), jnp.int32)
+    cache = forward(target.params, TINY, prompt, jnp.broadcast_to(jnp.arange(20), (3, 20)), cache,
+                    jnp.zeros((3,), jnp.int32)).cache
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (3, 4)), jnp.int32)
+    write = jnp.asarray([20, 9, 14], jnp.int32)
+    positions = write[:, None] + jnp.arange(4)
+    full = forward(target.params, TINY, tokens, positions, cache, write)
+    short = forward(target.params, TINY, tokens, positions, cache, write, attend_slots=24)
+    np.testing.assert_allclose(np.asarray(short.logits), np.asarray(full.logits), rtol=1e-6, atol=1e-6)
+    for a, b in zip(short.cache.keys, full.cache.keys):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -27,7 +27,7 @@ from flax import struct
 from specjax.decode.autoregressive import _eos_array, prefill
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
 from specjax.decode.speculative import _to_full_vocabulary, commit_tokens, draft_block
-from specjax.decode.verify import accept_sampled
+from specjax.decode.verify import accept_greedy, accept_sampled
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
@@ -236,17 +236,28 @@ def insert(params, drafter_params, state: SlotState, request: InsertRequest, *, 
     return state.replace(**fresh)
 
 
-def _ar_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics) -> SlotState:
+def _any_sampled(sampling: RowSampling) -> jax.Array:
+    """[] bool: some row samples. When none does, steps take argmax paths and draw no random numbers,
+    which is most of a batched step's cost beyond the forward passes on CPU."""
+    return jnp.any(sampling.temperature > 0)
+
+
+def _ar_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics,
+             attend_slots: int | None) -> SlotState:
     """One token for every live row."""
     keys, draw_keys = split_row_keys(state.keys, 2)
     out = forward(params, statics.target_config, state.last_token[:, None], state.lengths[:, None],
-                  state.target_cache, state.lengths)
-    token = row_categorical(draw_keys, row_processed_logits(out.logits[:, 0], state.sampling))  # [S]
+                  state.target_cache, state.lengths, attend_slots=attend_slots)
+    logits = out.logits[:, 0]  # [S, V]
+    token = jax.lax.cond(_any_sampled(state.sampling),
+                         lambda: row_categorical(draw_keys, row_processed_logits(logits, state.sampling)),
+                         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [S]
     return _commit(state, jnp.zeros((state.lengths.shape[0], 0), jnp.int32), jnp.zeros_like(token), token, keys,
                    out.cache, state.context_cache, statics)
 
 
-def _chain_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics) -> SlotState:
+def _chain_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics,
+                attend_slots: int | None) -> SlotState:
     """Draft a block, verify it in one target pass, accept per row (speculative sampling, which is
     greedy acceptance on greedy rows)."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
@@ -254,18 +265,27 @@ def _chain_step(params, drafter_params, head, draft_vocab, state: SlotState, sta
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
     logits = draft_block(params, tcfg, drafter_params, dcfg, state.last_token, state.lengths, state.context_cache,
                          head)  # [S, K, V']
-    q_logits = row_processed_logits(logits, state.sampling)
-    draft_index = row_categorical(draft_keys, q_logits)  # [S, K]
-    draft, q = _to_full_vocabulary(draft_index, jax.nn.softmax(q_logits, axis=-1), draft_vocab, tcfg.vocab_size)
+    sampled = _any_sampled(state.sampling)
+    draft_index = jax.lax.cond(
+        sampled, lambda: row_categorical(draft_keys, row_processed_logits(logits, state.sampling)),
+        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [S, K]
+    draft, _ = _to_full_vocabulary(draft_index, None, draft_vocab, tcfg.vocab_size)
 
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, Bk]
     positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
     out = forward(params, tcfg, verify_tokens, positions, state.target_cache, state.lengths,
-                  hidden_layers=dcfg.target_layer_ids)  # logits [S, Bk, V], hidden [S, Bk, taps, d]
-    p = jax.nn.softmax(row_processed_logits(out.logits, state.sampling), axis=-1)
-    one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
-    n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)
-    n, next_token = n[:, 0], next_token[:, 0]
+                  hidden_layers=dcfg.target_layer_ids, attend_slots=attend_slots)  # logits [S, Bk, V], hidden
+
+    def sampled_acceptance():
+        # q is recomputed from the same drafter logits the drafts were drawn from, so it is their q.
+        q = jax.nn.softmax(row_processed_logits(logits, state.sampling), axis=-1)
+        _, q = _to_full_vocabulary(draft_index, q, draft_vocab, tcfg.vocab_size)
+        p = jax.nn.softmax(row_processed_logits(out.logits, state.sampling), axis=-1)
+        one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
+        n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)
+        return n[:, 0], next_token[:, 0]
+
+    n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, out.logits))
     advance = jnp.where(state.done, 0, n + 1)
     context = append_context(drafter_params, dcfg, state.context_cache, out.hidden, positions, state.lengths,
                              state.lengths + advance)
@@ -300,7 +320,7 @@ class SlotMethod:
     name: str
     needs_drafter: bool
     one_step: Callable
-    """(params, drafter_params, head, draft_vocab, state, statics) -> state: one verify step."""
+    """(params, drafter_params, head, draft_vocab, state, statics, attend_slots) -> state: one verify step."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -315,10 +335,16 @@ def slot_method(name: str) -> SlotMethod:
     return SLOT_METHODS[name]
 
 
-@partial(jax.jit, static_argnames=("method", "statics"), donate_argnames=("state",))
-def step(params, drafter_params, draft_vocab, state: SlotState, *, method: str, statics: SlotStatics) -> SlotState:
-    """steps_per_sync verify steps for every live slot, in one device call."""
+@partial(jax.jit, static_argnames=("method", "statics", "attend_slots"), donate_argnames=("state",))
+def step(params, drafter_params, draft_vocab, state: SlotState, *, method: str, statics: SlotStatics,
+         attend_slots: int | None = None) -> SlotState:
+    """steps_per_sync verify steps for every live slot, in one device call.
+
+    attend_slots (static): the target attends to the first attend_slots cache slots only. The caller
+    guarantees every live row's length + steps_per_sync * (verify writes) fits in it; one compiled
+    step per bucket of it lets short contexts skip reading the rest of the cache."""
     one_step = SLOT_METHODS[method].one_step
     head = None if statics.drafter_config is None else head_matrix(params, statics.target_config, draft_vocab)
-    return jax.lax.fori_loop(0, statics.slot.steps_per_sync,
-                             lambda _, s: one_step(params, drafter_params, head, draft_vocab, s, statics), state)
+    return jax.lax.fori_loop(
+        0, statics.slot.steps_per_sync,
+        lambda _, s: one_step(params, drafter_params, head, draft_vocab, s, statics, attend_slots), state)

@@ -70,8 +70,11 @@ class Attention(nn.Module):
                 out = tree_attention_op(q, cached_k.astype(dtype), cached_v.astype(dtype), write_index, k, v,
                                         block_mask, implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
-                out = grouped_query_attention(q, cached_k.astype(dtype), cached_v.astype(dtype), mask,
-                                              scores)  # [B, T, H, D]
+                # A mask shorter than the cache (forward's attend_slots) reads only that many slots:
+                # attention then costs what the rows' contexts need, not the whole cache.
+                read = mask.shape[-1]
+                out = grouped_query_attention(q, cached_k[:, :read].astype(dtype), cached_v[:, :read].astype(dtype),
+                                              mask, scores)  # [B, T, H, D]
         out = dense(cfg.hidden_size, cfg.attention_bias, dtype, "o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
@@ -177,7 +180,7 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
                  hidden_layers: Sequence[int] = (), logit_positions=None, valid_lengths=None,
-                 empty_cache: bool = False):
+                 empty_cache: bool = False, attend_slots: int | None = None):
         cfg = self.config
         x = self.embed(tokens)  # [B, T, d]
         # One (cos, sin) pair per distinct RoPE base: Gemma 3's sliding layers use their own.
@@ -188,7 +191,9 @@ class Transformer(nn.Module):
         full_mask = None  # [B, T, S] for the full layers, shared
         if any(cfg.layer_window(i) is None for i in range(cfg.num_layers)) and cfg.attention != "pallas":
             full_length = max(cache.keys[i].shape[1] for i in range(cfg.num_layers) if cfg.layer_window(i) is None)
-            full_mask = attention_mask(write_index, tokens.shape[1], full_length, block_mask)
+            # Full layers read only the first attend_slots slots (the mask's length; see Attention).
+            full_mask = attention_mask(write_index, tokens.shape[1], min(full_length, attend_slots or full_length),
+                                       block_mask)
         sliding = {}  # (window, ring slots) -> (committed [B, T, R], own [B, T, T]), shared by such layers
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
@@ -222,7 +227,7 @@ def init_params(config: TransformerConfig, rng: jax.Array):
 
 def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache, write_index,
             block_mask=None, hidden_layers: Sequence[int] = (), logit_positions=None,
-            valid_lengths=None, empty_cache: bool = False) -> ForwardOutput:
+            valid_lengths=None, empty_cache: bool = False, attend_slots: int | None = None) -> ForwardOutput:
     """Run T new tokens through the model at any cache position.
 
     tokens, positions: [B, T] int32 (RoPE positions; need not equal cache slots).
@@ -238,6 +243,9 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
       0, a training forward), so sliding layers skip attending to it.
     With config.query_rows = W and T < W (not a prefill), the pass runs W rows and returns the T real
     ones; the caller then guarantees write_index + W <= S.
+    attend_slots: static; full-attention layers (XLA path) attend to the first attend_slots cache slots
+      only. The caller guarantees every row's write_index + T (padded) <= attend_slots, so no visible
+      slot is cut; a batched step then costs what its longest context needs.
     """
     hidden_layers = tuple(hidden_layers)
     for i in hidden_layers:
@@ -251,7 +259,7 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
                                                                           logit_positions, pad)
     out = Transformer(config).apply(
         {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions,
-        valid_lengths, empty_cache
+        valid_lengths, empty_cache, attend_slots
     )
     if not pad:
         return out

@@ -229,6 +229,10 @@ class Scheduler:
         )
         self.max_prompt = config.context_length - self.step_slack - 1
         self.prompt_buckets = self._buckets()
+        # Steps compiled per attention length: a batch of short contexts reads only what it needs.
+        self.attend_buckets = tuple(sorted({min(128 * 2**i, cache_length) for i in range(16)
+                                            if i == 0 or 128 * 2**(i - 1) < cache_length}))
+        self._lengths = np.zeros(config.slots, np.int64)  # each slot's cache length at the last sync
         self._drafter_params = None if drafter is None else drafter.params
         self._draft_vocab = None if drafter is None or drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
         self.metrics = ServingMetrics(config.method, block - 1, metrics_log)
@@ -278,14 +282,17 @@ class Scheduler:
         """Compile the step and one insert per prompt bucket now, so no request waits for XLA."""
         started = time.perf_counter()
         params = self.model.params
-        self._compiled["step"] = slot_api.step.lower(params, self._drafter_params, self._draft_vocab, self._state,
-                                                     method=self.config.method, statics=self.statics).compile()
+        for length in self.attend_buckets:
+            self._compiled["step", length] = slot_api.step.lower(
+                params, self._drafter_params, self._draft_vocab, self._state, method=self.config.method,
+                statics=self.statics, attend_slots=length).compile()
         for bucket in self.prompt_buckets:
             request = self._insert_request([self.config.slots], np.zeros((1, bucket)), [1], [1], [0], [0.0], [0], [1.0])
             self._compiled[bucket] = slot_api.insert.lower(params, self._drafter_params, self._state, request,
                                                            statics=self.statics).compile()
         self.compile_seconds = time.perf_counter() - started
-        print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step and "
+        print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step for "
+              f"{len(self.attend_buckets)} attention lengths ({', '.join(map(str, self.attend_buckets))}) and "
               f"{len(self.prompt_buckets)} prompt buckets ({', '.join(map(str, self.prompt_buckets))}) in "
               f"{self.compile_seconds:.1f} s", file=sys.stderr, flush=True)
 
@@ -378,17 +385,23 @@ class Scheduler:
                     self._wakeup.clear()
                     continue
                 started = time.perf_counter()
-                self._state = self._compiled_step()(self.model.params, self._drafter_params, self._draft_vocab,
-                                                    self._state)
+                self._state = self._compiled_step(self._attend_length())(
+                    self.model.params, self._drafter_params, self._draft_vocab, self._state)
                 self._collect(time.perf_counter() - started)
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
                 self._fail_all(f"{type(error).__name__}: {error}")
                 self._state = slot_api.empty_slots(self.statics)
 
-    def _compiled_step(self):
-        return self._compiled.get("step") or (lambda *a: slot_api.step(*a, method=self.config.method,
-                                                                        statics=self.statics))
+    def _attend_length(self) -> int:
+        """The smallest compiled attention length that holds every live row through the next call."""
+        longest = max(int(self._lengths[slot]) for slot in self._live)
+        need = longest + self.config.steps_per_sync * self.step_slack + 1
+        return next((b for b in self.attend_buckets if b >= need), self.attend_buckets[-1])
+
+    def _compiled_step(self, length: int):
+        return self._compiled.get(("step", length)) or (
+            lambda *a: slot_api.step(*a, method=self.config.method, statics=self.statics, attend_slots=length))
 
     def _drop_cancelled_waiting(self) -> None:
         with self._lock:
@@ -433,6 +446,7 @@ class Scheduler:
             now = time.perf_counter()
             self.metrics.timing("prefill", now - started)
             self.metrics.admitted(now - arrived, len(request.prompt))
+            self._lengths[slot] = len(request.prompt)
             self._live[slot] = _Live(handle, arrived, admitted=now,
                                      reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))
             self.metrics.queue_depth(len(self._live), len(self._waiting))
@@ -444,59 +458,70 @@ class Scheduler:
     def _collect(self, step_seconds: float | None) -> None:
         """One host sync: stream new tokens, finish rows that ended, report metrics."""
         state = self._state
-        tokens, counts, done, steps, histogram, lengths = jax.device_get(
+        synced = jax.device_get(
             (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths))
         now = time.perf_counter()
         if step_seconds is not None:
             self.metrics.timing("step", step_seconds)
+        self._lengths[:] = synced[5]
+        for slot, live in list(self._live.items()):
+            try:
+                self._sync_slot(slot, live, synced, now)
+            except Exception as error:  # noqa: BLE001 - one request's failure (say, its detokenizing) is its own
+                log.exception("request %d failed", live.handle.id)
+                self._finish(slot, live, "error", now, synced[3][slot], synced[4][slot],
+                             error=f"{type(error).__name__}: {error}")
+        self._report_memory(synced[5])
+
+    def _sync_slot(self, slot: int, live: _Live, synced, now: float) -> None:
+        tokens, counts, done, steps, histogram, _ = synced
+        request = live.handle.request
         tokenizer = self.model.tokenizer
         block = self.statics.block
-        for slot, live in list(self._live.items()):
-            request = live.handle.request
-            count = int(counts[slot])
-            new = tokens[slot, live.emitted : count].tolist()
-            reason = None
-            text_delta = ""
-            if tokenizer is not None and new:
-                text = tokenizer.decode(tokens[slot, :count].tolist())
-                if text.endswith("\ufffd") and not done[slot]:
-                    text = live.text  # an incomplete UTF-8 sequence: wait for the rest of its bytes
-                cut = _find_stop(text, request.stop, len(live.text))
-                if cut is not None:
-                    text, reason = text[:cut], "stop"
-                    new = _ids_within(tokenizer, tokens[slot, :count].tolist(), live.emitted, text)
-                text_delta, live.text = text[len(live.text):], text
-            if new or text_delta:
-                if live.first_token_at is None:
-                    live.first_token_at = now
-                    self.metrics.first_token(now - live.arrived)
-                self.metrics.tokens_streamed(len(new), None if live.last_chunk_at is None else now - live.last_chunk_at)
-                live.last_chunk_at = now
-                live.emitted += len(new)
-                live.handle._push(Chunk(new, text_delta))
-            # Speculative counters: verify steps and draft positions reached since the last sync.
-            if block > 1:
-                reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
-                self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, block - 1,
-                                          (reached - live.reached_reported).tolist())
-                live.steps_reported, live.reached_reported = int(steps[slot]), reached
-            if reason is None and done[slot]:
-                reason = "length" if count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count]) \
-                    else "stop"
-            if reason is None and live.handle.cancelled:
-                reason = "cancelled"
-            if reason is not None:
-                self._finish(slot, live, reason, now, steps[slot], histogram[slot])
-        self._report_memory(lengths)
+        count = int(counts[slot])
+        new = tokens[slot, live.emitted : count].tolist()
+        reason = None
+        text_delta = ""
+        if tokenizer is not None and new:
+            text = tokenizer.decode(tokens[slot, :count].tolist())
+            if text.endswith("\ufffd") and not done[slot]:
+                text = live.text  # an incomplete UTF-8 sequence: wait for the rest of its bytes
+            cut = _find_stop(text, request.stop, len(live.text))
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+                new = _ids_within(tokenizer, tokens[slot, :count].tolist(), live.emitted, text)
+            text_delta, live.text = text[len(live.text):], text
+        if new or text_delta:
+            if live.first_token_at is None:
+                live.first_token_at = now
+                self.metrics.first_token(now - live.arrived)
+            self.metrics.tokens_streamed(len(new), None if live.last_chunk_at is None else now - live.last_chunk_at)
+            live.last_chunk_at = now
+            live.emitted += len(new)
+            live.handle._push(Chunk(new, text_delta))
+        # Speculative counters: verify steps and draft positions reached since the last sync.
+        if block > 1:
+            reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
+            self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, block - 1,
+                                      (reached - live.reached_reported).tolist())
+            live.steps_reported, live.reached_reported = int(steps[slot]), reached
+        if reason is None and done[slot]:
+            at_limit = count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count])
+            reason = "length" if at_limit else "stop"
+        if reason is None and live.handle.cancelled:
+            reason = "cancelled"
+        if reason is not None:
+            self._finish(slot, live, reason, now, steps[slot], histogram[slot])
 
     def _ends_with_eos(self, ids) -> bool:
         return len(ids) > 0 and int(ids[-1]) in self.model.eos_token_ids
 
-    def _finish(self, slot: int, live: _Live, reason: str, now: float, steps, histogram) -> None:
+    def _finish(self, slot: int, live: _Live, reason: str, now: float, steps, histogram,
+                error: str | None = None) -> None:
         del self._live[slot]  # the slot is free now; the next insert overwrites its row
         metrics = self._request_metrics(live, now, int(steps), np.asarray(histogram))
         ids = [t for chunk in live.handle._chunks for t in chunk.token_ids]
-        result = RequestResult(ids, live.text, reason, None, metrics)
+        result = RequestResult(ids, live.text, reason, error, metrics)
         live.handle._push(result=result)
         self.metrics.finished(reason, now - live.arrived, {"id": live.handle.id, "finish_reason": reason, **metrics})
         self.metrics.queue_depth(len(self._live), len(self._waiting))
