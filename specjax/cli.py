@@ -419,11 +419,15 @@ def cmd_serve(args) -> int:
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
     print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
           flush=True)
-    stop = signal.getsignal(signal.SIGTERM)
+    # uvicorn answers SIGINT/SIGTERM by closing the listener and waiting for open requests, then
+    # re-raises the signal to whatever handler was installed before it: make that a no-op, so the
+    # process goes on to drain the scheduler and exits 0 instead of dying from the re-raised signal.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()  # returns on SIGINT/SIGTERM once open connections are answered
+        server.run()
     finally:
-        signal.signal(signal.SIGTERM, stop)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         # Requests still decoding finish (or fail cleanly after --drain-timeout) before the process ends.
         scheduler.shutdown(drain=True, timeout=args.drain_timeout)
     return 0
