@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import slots as slot_api
+from specjax.decode.sampling import SamplingConfig
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.registry import LoadedModel
@@ -314,12 +315,7 @@ class Scheduler:
         if len(request.prompt) + request.max_tokens + self.step_slack > self.config.context_length:
             raise SpecjaxError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
                                f"the context of {self.config.context_length - self.step_slack} tokens")
-        if not 0 <= request.temperature < float("inf"):
-            raise SpecjaxError(f"temperature must be a finite number >= 0, got {request.temperature}")
-        if request.top_k < 0:
-            raise SpecjaxError(f"top_k must be >= 0, got {request.top_k}")
-        if not 0.0 < request.top_p <= 1.0:
-            raise SpecjaxError(f"top_p must be in (0, 1], got {request.top_p}")
+        SamplingConfig(request.temperature, request.top_k, request.top_p)  # refuses bad values, naming them
         if request.stop and self.model.tokenizer is None:
             raise SpecjaxError("stop strings need a tokenizer; this model has none")
         if any(not s for s in request.stop):

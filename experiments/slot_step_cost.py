@@ -1,0 +1,25 @@
+"""Cost of one slot-level decode step (specjax.decode.slots.step) against the number of slots, on
+SmolLM2 with a 512-slot cache and the step reading the first 128 (attend_slots), greedy rows.
+
+    python experiments/slot_step_cost.py
+"""
+import time, jax, jax.numpy as jnp, numpy as np
+from specjax.io.registry import load_model, resolve_drafter
+from specjax.decode import slots
+m = load_model("smollm2"); d = resolve_drafter("default", "smollm2")
+def bench(method, S, cache=512, sps=4, L=None):
+    dc = d.config if method != "ar" else None
+    st = slots.SlotStatics(m.config.with_kv_rings(16), slots.SlotConfig(slots=S, cache_length=cache, max_new_tokens=256, steps_per_sync=sps), tuple(m.eos_token_ids), dc)
+    state = slots.empty_slots(st)
+    req = slots.InsertRequest(rows=jnp.arange(S, dtype=jnp.int32), prompts=jnp.ones((S, 32), jnp.int32), prompt_lengths=jnp.full((S,), 20, jnp.int32), max_new_tokens=jnp.full((S,), 200, jnp.int32), seeds=jnp.arange(S, dtype=jnp.uint32), sampling=slots.RowSampling.greedy(S))
+    state = slots.insert(m.params, d.params if dc else None, state, req, statics=st)
+    dv = jnp.asarray(d.draft_vocab) if (dc and d.draft_vocab is not None) else None
+    f = lambda s: slots.step(m.params, d.params if dc else None, dv, s, method=method, statics=st, attend_slots=L)
+    state = f(state); jax.block_until_ready(state.tokens)
+    ts=[]
+    for _ in range(3):
+        t=time.perf_counter(); state=f(state); jax.block_until_ready(state.tokens); ts.append(time.perf_counter()-t)
+    print(method, S, L, f"{np.median(ts)/sps*1000:.0f} ms per step", flush=True)
+import sys
+for method, S, L in [("ar",1,128),("ar",8,128),("ar",16,128),("ar",32,128)]:
+    bench(method, S, L=L)
