@@ -159,6 +159,7 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 20 minutes with the serving tests
 def test_generate_and_bench_with_trees(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # measured latencies go here, not to the user's cache
     root = tiny_with_tokenizer_and_drafter
@@ -244,6 +245,7 @@ def test_windowed_drafting_from_the_cli(tiny_with_tokenizer_and_drafter, tiny_co
     assert "at least the segment" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # moved out of the default suite to keep it under 20 minutes with the serving tests
 def test_memory_command(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys, tmp_path):
     root = tiny_with_tokenizer_and_drafter
     args = ["memory", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--compressor",
