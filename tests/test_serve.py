@@ -369,7 +369,7 @@ def test_the_dashboard_reads_the_metrics_it_is_given():
     from specjax.monitor.serving import ServingMetrics
     from specjax.serve.top import histogram_quantile, parse_metrics, render, summarize
 
-    metrics = ServingMetrics("chain", 3)
+    metrics = ServingMetrics("chain")
     metrics.verify_steps(10, 3, [6, 3, 1])  # 10 drafts, 10 accepted: tau 2.0
     for seconds in (0.1, 0.2, 0.3, 0.4):
         metrics.first_token(seconds)

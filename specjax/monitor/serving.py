@@ -24,10 +24,9 @@ class ServingMetrics:
     """Counters, gauges and histograms of one serving engine (its own registry, so several engines in
     one process, as in tests, never collide)."""
 
-    def __init__(self, method: str, num_positions: int, log_path: str | Path | None = None):
+    def __init__(self, method: str, log_path: str | Path | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.num_positions = num_positions
         self.drafts = Counter("specjax:spec_decode_num_drafts", "Verify steps that checked a draft (per request row)",
                               registry=r)
         self.draft_tokens = Counter("specjax:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)

@@ -236,7 +236,7 @@ class Scheduler:
         self._lengths = np.zeros(config.slots, np.int64)  # each slot's cache length at the last sync
         self._drafter_params = None if drafter is None else drafter.params
         self._draft_vocab = None if drafter is None or drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
-        self.metrics = ServingMetrics(config.method, block - 1, metrics_log)
+        self.metrics = ServingMetrics(config.method, metrics_log)
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
             from specjax.monitor.memory import drafter_state_breakdown
