@@ -32,18 +32,19 @@ def main():
 
     from specjax.data.prompts import heldout_prompts
     from specjax.decode.engine import Engine
-    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.io.registry import load_model, resolve_drafter, resolve_refiner
     from specjax.serve.scheduler import Request, Scheduler, ServeConfig
 
     model = load_model("smollm2")
     drafter = resolve_drafter("default", "smollm2") if args.method != "ar" else None
+    refiner = resolve_refiner("default", "smollm2") if args.method.endswith("+refiner") else None
     texts = heldout_prompts(args.category)[: args.prompts]
     prompts = [model.tokenizer.encode_chat(t) for t in texts]
-    engine = Engine(model, drafter)
+    engine = Engine(model, drafter, refiner=refiner)
     ar = [engine.generate([p], args.max_new_tokens).tokens[0] for p in prompts]
     alone = [engine.generate([p], args.max_new_tokens, method=args.method).tokens[0] for p in prompts]
     scheduler = Scheduler(model, drafter, ServeConfig(method=args.method, slots=args.slots, context_length=512,
-                                                      max_new_tokens=args.max_new_tokens))
+                                                      max_new_tokens=args.max_new_tokens), refiner=refiner)
     handles = [scheduler.submit(Request(tuple(p), max_tokens=args.max_new_tokens, temperature=0.0)) for p in prompts]
     served = [h.result().token_ids for h in handles]
     scheduler.shutdown()

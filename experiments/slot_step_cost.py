@@ -12,9 +12,9 @@ def bench(method, S, cache=512, sps=4, L=None):
     st = slots.SlotStatics(m.config.with_kv_rings(16), slots.SlotConfig(slots=S, cache_length=cache, max_new_tokens=256, steps_per_sync=sps), tuple(m.eos_token_ids), dc)
     state = slots.empty_slots(st)
     req = slots.InsertRequest(rows=jnp.arange(S, dtype=jnp.int32), prompts=jnp.ones((S, 32), jnp.int32), prompt_lengths=jnp.full((S,), 20, jnp.int32), max_new_tokens=jnp.full((S,), 200, jnp.int32), seeds=jnp.arange(S, dtype=jnp.uint32), sampling=slots.RowSampling.greedy(S))
-    state = slots.insert(m.params, d.params if dc else None, state, req, statics=st)
-    dv = jnp.asarray(d.draft_vocab) if (dc and d.draft_vocab is not None) else None
-    f = lambda s: slots.step(m.params, d.params if dc else None, dv, s, method=method, statics=st, attend_slots=L)
+    parts = slots.slot_parts(st, m.params, d.params if dc else None, d.draft_vocab if dc else None)
+    state = slots.insert(parts, state, req, statics=st)
+    f = lambda s: slots.step(parts, s, method=method, statics=st, attend_slots=L)
     state = f(state); jax.block_until_ready(state.tokens)
     ts=[]
     for _ in range(3):

@@ -408,13 +408,14 @@ def cmd_serve(args) -> int:
     from specjax.serve.http import create_app
     from specjax.serve.scheduler import Scheduler, ServeConfig
 
+    _check_decode_args(args, [args.method])
     model = _load_target(args)
     args.methods = args.method  # _drafter_for reads the method list
     drafter = _drafter_for(args, model)
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
-                         max_queue=args.max_queue)
-    scheduler = Scheduler(model, drafter, config, metrics_log=args.metrics_log)
+                         max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args))
+    scheduler = Scheduler(model, drafter, config, metrics_log=args.metrics_log, refiner=_refiner_for(args, model))
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
     print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
@@ -707,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and live metrics")
     srv.add_argument("--model", default=DEFAULT_MODEL)
     srv.add_argument("--drafter", default="default")
-    srv.add_argument("--method", default="chain", help="decoding method: ar or chain")
+    srv.add_argument("--method", default="chain", help="decoding method: ar, chain, chain+refiner, tree or tree+refiner")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")
@@ -720,7 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish on shutdown before they are failed")
     _add_dtype_option(srv)
     _add_window_options(srv)
-    srv.set_defaults(func=cmd_serve)
+    _add_refiner_options(srv)
+    _add_tree_options(srv)
+    srv.set_defaults(func=cmd_serve, parser=srv)
 
     bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")
     bs.add_argument("--url", default="http://127.0.0.1:8000")

@@ -19,12 +19,14 @@ import pytest
 from specjax.decode import slots
 from specjax.decode.engine import Engine
 from specjax.decode.sampling import SamplingConfig
+from specjax.decode.tree import TreeConfig
 from specjax.errors import SpecjaxError
 from specjax.io.registry import LoadedModel
 from specjax.serve.scheduler import QueueFull, Request, Scheduler, ServeConfig
 
 from stats import chi_square_pvalue
 from test_decode import TINY
+from test_refiner import _perturbed
 from test_speculative import SAMPLINGS, _broken_impl, _exact_marginals
 
 PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2], [2, 2], [9, 1, 1, 1, 8], [6, 5]]
@@ -86,11 +88,42 @@ def test_a_seeded_sampled_request_is_reproducible_whatever_shares_the_batch(chai
     assert different.token_ids != alone
 
 
-def _sample_through_slots(target, drafter, sampling: SamplingConfig, prompt, count, depth, seed, step_fn=None):
+SMALL_TREES = TreeConfig(buckets=(1, 4, 8))
+"""Auto-sized trees with few buckets, so the tiny tests measure and compile little."""
+
+
+@pytest.mark.parametrize("method", ["chain+refiner", "tree", "tree+refiner"])
+def test_every_method_serves_greedy_requests_exactly(target, drafter, method, tmp_path):
+    """Greedy requests through the refiner and tree steps, with sampled requests sharing the batch,
+    give Engine.generate's AR tokens; the tree's budget rule runs on costs measured at the slot count."""
+    refiner = _perturbed("gru", drafter) if method.endswith("refiner") else None
+    scheduler = Scheduler(target, drafter, _config(method, slot_count=3, tree=SMALL_TREES), compile_now=False,
+                          refiner=refiner, latency_cache=tmp_path)
+    try:
+        if scheduler.latency is not None:
+            assert list(scheduler.latency.sizes) == [1, 4, 8] and scheduler.parts.tree_costs is not None
+        limits = [20, 5, 17, 24]
+        greedy = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(PROMPTS, limits)]
+        sampled = [scheduler.submit(Request(tuple(p), max_tokens=10, temperature=1.0, top_k=5, seed=i))
+                   for i, p in enumerate(PROMPTS[4:])]
+        results = [h.result(timeout=300) for h in greedy]
+        assert all(h.result(timeout=300).finish_reason in ("length", "stop") for h in sampled)
+    finally:
+        scheduler.shutdown()
+    expected = Engine(target).generate(PROMPTS[:4], max(limits)).tokens
+    for limit, result, whole in zip(limits, results, expected):
+        assert result.token_ids == whole[:limit]
+    spec = results[0].metrics["speculative_decoding"]
+    assert spec["verify_steps"] >= 1 and 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["draft_tokens"] >= 1
+
+
+def _sample_through_slots(target, drafter, sampling: SamplingConfig, prompt, count, depth, seed, step_fn=None,
+                          method="chain", refiner=None, tree=None):
     """count rows of one prompt decoded `depth` tokens by the slot API directly (one insert call)."""
     statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=count, cache_length=64, max_new_tokens=depth,
                                                        steps_per_sync=depth, insert_rows=count), (),
-                                drafter.config)
+                                drafter.config, refiner_config=None if refiner is None else refiner.config,
+                                tree=tree)
     state = slots.empty_slots(statics)
     rows = lambda v, dt: jnp.full((count,), v, dt)  # noqa: E731
     request = slots.InsertRequest(
@@ -99,8 +132,9 @@ def _sample_through_slots(target, drafter, sampling: SamplingConfig, prompt, cou
         seeds=jnp.arange(count, dtype=jnp.uint32) + seed * count,
         sampling=slots.RowSampling(rows(sampling.temperature, jnp.float32), rows(sampling.top_k, jnp.int32),
                                    rows(sampling.top_p, jnp.float32)))
-    state = slots.insert(target.params, drafter.params, state, request, statics=statics)
-    state = (step_fn or slots.step)(target.params, drafter.params, None, state, method="chain", statics=statics)
+    parts = slots.slot_parts(statics, target.params, drafter.params, None, None if refiner is None else refiner.params)
+    state = slots.insert(parts, state, request, statics=statics)
+    state = (step_fn or slots.step)(parts, state, method=method, statics=statics)
     assert bool(state.done.all())
     return np.asarray(state.tokens[:, :depth]), np.asarray(state.accepted_histogram)
 
@@ -115,6 +149,21 @@ def test_sampled_slots_match_the_exact_target_distribution(target, drafter, samp
     for position in range(depth):
         counts = np.bincount(out[:, position], minlength=TINY.vocab_size)
         assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
+
+
+@pytest.mark.parametrize("method", ["chain+refiner", "tree+refiner"])
+def test_refined_and_tree_slots_sample_the_exact_target_distribution(target, drafter, method):
+    """Per-row Gumbel noise in the refiner and per-row draws at every tree node keep the output
+    distribution the target's (a fixed 8-node tree: every draft slot is a node)."""
+    sampling, prompt, depth = SAMPLINGS[0], [1, 5, 2], 3
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth)
+    tree = TreeConfig(budget=8) if method.startswith("tree") else None
+    out, histogram = _sample_through_slots(target, drafter, sampling, prompt, 10_000, depth, seed=7, method=method,
+                                           refiner=_perturbed("gru", drafter, scale=1.5), tree=tree)
+    assert 0.05 < histogram[:, 1:].sum() / histogram.sum() < 0.99
+    for position in range(depth):
+        counts = np.bincount(out[:, position], minlength=TINY.vocab_size)
+        assert chi_square_pvalue(counts, exact[position]) > 1e-3, (method, position + 1)
 
 
 def test_a_broken_acceptance_rule_fails_through_slots(target, drafter, monkeypatch):
@@ -370,7 +419,7 @@ def test_the_dashboard_reads_the_metrics_it_is_given():
     from specjax.serve.top import histogram_quantile, parse_metrics, render, summarize
 
     metrics = ServingMetrics("chain")
-    metrics.verify_steps(10, 3, [6, 3, 1])  # 10 drafts, 10 accepted: tau 2.0
+    metrics.verify_steps(10, 30, [6, 3, 1])  # 10 drafts, 10 accepted: tau 2.0
     for seconds in (0.1, 0.2, 0.3, 0.4):
         metrics.first_token(seconds)
     metrics.memory(0.25, {"target": 3 * 2**20}, {"target": 4096})

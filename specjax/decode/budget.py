@@ -68,6 +68,19 @@ def chosen_tree_size(log_prob, valid, live, costs: TreeCosts, max_nodes: int):
     return 1 + jnp.sum(jnp.cumprod(pays.astype(jnp.int32)))
 
 
+def median_seconds(repeats: int, fn) -> float:
+    """Median wall time of fn() over `repeats` calls, after one untimed call (compile, warm-up)."""
+    import time
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def machine_id() -> str:
     """What a measured latency belongs to: the backend's device kind (or the CPU model)."""
     device = jax.devices()[0]

@@ -8,7 +8,6 @@ recompile.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -20,9 +19,10 @@ import numpy as np
 from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig, refine_drafts
-from specjax.decode.budget import LatencyModel
+from specjax.decode.budget import LatencyModel, median_seconds
 from specjax.decode.speculative import draft_chain, generate_chain
-from specjax.decode.tree import (DraftTree, TreeConfig, build_tree, draft_marginals, generate_tree, verify_tree)
+from specjax.decode.speculative import RefinerInputs
+from specjax.decode.tree import TreeConfig, generate_tree, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
@@ -341,11 +341,8 @@ class Engine:
         return GenerationResult(rows, stats)
 
     def _latency_key(self, shape: DecodeRequestShape) -> str:
-        tree = shape.tree
-        sizes = (1,) + tuple(s for s in tree.node_buckets(self.drafter.config.block_size - 1) if s != 1)
-        key = LatencyModel.key(self.model.name, self.decode_config(shape), shape.batch, shape.cache_length, sizes)
-        drafted = "refined" if shape.refine is not None else "drafter"
-        return f"{key}|{drafted}|{tree.shape}|k{tree.top_k}|w{tree.width}"
+        return tree_latency_key(self.model.name, self.decode_config(shape), shape.batch, shape.cache_length,
+                                shape.tree, self.drafter.config.block_size, shape.refine is not None)
 
     def _save_latency(self, shape: DecodeRequestShape, latency: LatencyModel) -> None:
         if self.latency_cache is not None:
@@ -359,60 +356,17 @@ class Engine:
             return self.latency_models[key]
         latency = LatencyModel.load(key, self.latency_cache) if self.latency_cache is not None else None
         if latency is None:
-            latency = self._measure_latency(shape, target_params, draft_vocab, prompt_lengths)
+            refiner = None
+            if shape.refine is not None:
+                head = jax.jit(head_matrix, static_argnums=1)(target_params, self.decode_config(shape), draft_vocab)
+                refiner = RefinerInputs(self.refiner.params, jax.jit(refiner_low_rank_head, static_argnums=1)(
+                    self.refiner.params, self.refiner.config, head), self.refiner.config, shape.refine)
+            latency = measure_tree_latency(target_params, self.decode_config(shape), self.drafter.params,
+                                           self.drafter.config, draft_vocab, refiner, shape.tree, shape.sampling,
+                                           prompt_lengths, shape.cache_length, verify_seconds=self._verify_seconds)
             self._save_latency(shape, latency)
         self.latency_models[key] = latency
         return latency
-
-    def _measure_latency(self, shape: DecodeRequestShape, target_params, draft_vocab, prompt_lengths,
-                         repeats: int = 5) -> LatencyModel:
-        from tqdm.auto import tqdm
-
-        tcfg, dcfg = self.decode_config(shape), self.drafter.config
-        batch, num_draft = shape.batch, dcfg.block_size - 1
-        tree_config = shape.tree
-        sizes = [1] + [s for s in tree_config.node_buckets(num_draft) if s != 1]
-        target_cache = KVCache.zeros(tcfg, batch, shape.cache_length)
-        context = empty_context_cache(dcfg, batch, shape.cache_length)
-        last = jnp.zeros((batch,), jnp.int32)
-        head = jax.jit(head_matrix, static_argnums=1)(target_params, tcfg, draft_vocab)
-        refiner = None
-        if shape.refine is not None:
-            from specjax.decode.speculative import RefinerInputs
-            rcfg = self.refiner.config
-            refiner = RefinerInputs(self.refiner.params, jax.jit(refiner_low_rank_head, static_argnums=1)(
-                self.refiner.params, rcfg, head), rcfg, shape.refine)
-        max_nodes = tree_config.node_buckets(num_draft)[-1]
-
-        def fixed_part(tp, dp, ctx, h, dv, ref):
-            logits, _ = draft_marginals(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h, dv, ref)
-            return build_tree(last, logits, dv, tree_config, shape.sampling, max_nodes)
-
-        def verify_part(tp, cache, size):
-            # A chain-shaped tree of `size` nodes: cost depends on the node count, not the shape.
-            depth = jnp.minimum(jnp.arange(size, dtype=jnp.int32), num_draft)
-            nodes = DraftTree(token=jnp.zeros((batch, size), jnp.int32),
-                              parent=jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32) - 1, (batch, size)),
-                              depth=jnp.broadcast_to(depth, (batch, size)),
-                              log_prob=jnp.zeros((batch, size)), valid=jnp.ones((batch, size), bool))
-            return verify_tree(tp, tcfg, nodes, prompt_lengths, cache, dcfg.target_layer_ids, shape.sampling,
-                               jax.random.key(0), num_draft)
-
-        print(f"[specjax] measuring tree verification latency at batch {batch}, cache {shape.cache_length} "
-              f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
-        verify_s = []
-        for size in tqdm(sizes, desc="latency", leave=False, disable=not sys.stderr.isatty()):
-            # A verify pass costs the same whatever the tree's shape or drafter: measure each size once.
-            measured = (batch, shape.cache_length, size)
-            if measured not in self._verify_seconds:
-                fn = jax.jit(verify_part, static_argnums=2)
-                self._verify_seconds[measured] = _median_seconds(repeats,
-                                                                 lambda: fn(target_params, target_cache, size))
-            verify_s.append(self._verify_seconds[measured])
-        fixed = jax.jit(fixed_part)
-        fixed_s = _median_seconds(repeats, lambda: fixed(target_params, self.drafter.params, context, head,
-                                                         draft_vocab, refiner))
-        return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)
 
     def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float, float]:
         """Median seconds of one draft pass, one verify pass and one refinement pass (0 without a
@@ -444,20 +398,9 @@ class Engine:
             low_rank = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, rcfg, head)
             pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, tcfg, rp, rcfg, lr, batch, block - 1,
                                                                   head.shape[1], shape.sampling))
-            refine_cost = _median_seconds(repeats, lambda: pass_fn(target_params, refiner_params, low_rank))
-        self._phase_costs[shape] = (_median_seconds(repeats, draft), _median_seconds(repeats, verify), refine_cost)
+            refine_cost = median_seconds(repeats, lambda: pass_fn(target_params, refiner_params, low_rank))
+        self._phase_costs[shape] = (median_seconds(repeats, draft), median_seconds(repeats, verify), refine_cost)
         return self._phase_costs[shape]
-
-
-def _median_seconds(repeats: int, fn) -> float:
-    """Median wall time of fn() over `repeats` calls, after one untimed call (compile, warm-up)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def _speculative_stats(method: str, num_generated, histogram, wall_s: float, compile_s: float) -> dict:

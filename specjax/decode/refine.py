@@ -49,17 +49,20 @@ class RefineConfig:
 
 def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineConfig, hidden, drafter_logits,
                   anchor_embed, draft_index, embed_index: Callable[[jax.Array], jax.Array], low_rank_head,
-                  sampling: SamplingConfig, rng):
+                  sampling: SamplingConfig, rng, choose: Callable[[jax.Array], jax.Array] | None = None):
     """Refine a block draft.
 
     hidden: [B, K, d] drafter states of draft slots 1..K; drafter_logits: [B, K, V']; anchor_embed:
     [B, d] embedding of the block's first (committed) token; draft_index: [B, K] the drafter's draft
     as head-vocabulary indices; embed_index maps such indices to embeddings [.., d]; low_rank_head:
     [rank, V'] (see Refiner.low_rank_head). Returns (draft_index [B, K], logits [B, K, V'], passes []).
+    choose, if given, replaces the choice from `sampling` and `rng`: logits [B, K, V'] -> [B, K]
+    indices. It must keep the property above (slot k's noise drawn once per block, never from
+    drafts); the slot step gives it per-row temperatures and keys.
     """
-    if sampling.greedy:
+    if choose is None and sampling.greedy:
         choose = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
+    elif choose is None:
         noise = jax.random.gumbel(rng, drafter_logits.shape)  # [B, K, V'], shared by every pass
         choose = lambda logits: jnp.argmax(processed_logits(logits, sampling) + noise, axis=-1).astype(jnp.int32)
 

@@ -10,8 +10,10 @@ tokens whatever else shares the batch, and greedy and sampled requests share one
 is the sampled path with a one-hot distribution on the argmax (see `row_processed_logits`): the
 acceptance rule then accepts exactly the drafts that match the argmax, and resamples the argmax.
 
-Methods live in one registry, `SLOT_METHODS`; a method is a pair of pure functions (insert, step)
-over the same `SlotState`, and the host side (specjax/serve) never branches on method names.
+Methods live in one registry, `SLOT_METHODS`: ar, chain, chain+refiner, tree and tree+refiner
+(each windowed when its drafter is). Every method advances the same `SlotState`, so the host side
+(specjax/serve) never branches on method names, and a caller may change the method between two
+steps (the state holds every part any of them reads).
 """
 
 from __future__ import annotations
@@ -25,14 +27,19 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decode.autoregressive import _eos_array, prefill
+from specjax.decode.budget import TreeCosts, chosen_tree_size
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
-from specjax.decode.speculative import _to_full_vocabulary, commit_tokens, draft_block
+from specjax.decode.refine import RefineConfig, refine_drafts
+from specjax.decode.sampling import SamplingConfig
+from specjax.decode.speculative import RefinerInputs, _to_full_vocabulary, commit_tokens, draft_block_states
+from specjax.decode.tree import TreeConfig, build_tree, draft_marginals, verify_tree
 from specjax.decode.verify import accept_greedy, accept_sampled
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig
-from specjax.models.transformer import forward, head_matrix
+from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
+from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
 
 
 @struct.dataclass
@@ -140,6 +147,8 @@ class SlotState:
     """[S] int32: verify steps the row took part in."""
     accepted_histogram: jax.Array
     """[S, block] int32: verify steps that accepted n drafts, n = 0..block-1 (AR: all at n = 0)."""
+    drafted: jax.Array
+    """[S] int32: draft tokens the row's verify steps checked (K per chain step, nodes - 1 per tree)."""
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
@@ -153,11 +162,26 @@ class SlotStatics:
     slot: SlotConfig
     eos_token_ids: tuple[int, ...]
     drafter_config: DrafterConfig | None = None
+    refiner_config: RefinerConfig | None = None
+    refine: RefineConfig = RefineConfig()
+    """Refinement passes per block for the +refiner methods."""
+    tree: TreeConfig | None = None
+    """Tree shape and sizes for the tree methods; None when no tree method will step."""
 
     @property
     def block(self) -> int:
-        """Tokens one verify step may write: the drafter's block, or 1 for AR."""
+        """Most tokens one verify step commits: the drafter's block, or 1 for AR."""
         return 1 if self.drafter_config is None else self.drafter_config.block_size
+
+    @property
+    def tree_buckets(self) -> tuple[int, ...]:
+        """Node counts a tree step verifies (each compiled into the step, one chosen per step)."""
+        return () if self.tree is None else self.tree.node_buckets(self.block - 1)
+
+    @property
+    def step_writes(self) -> int:
+        """Most cache slots one verify step writes past a row's length: the block, or the largest tree."""
+        return max((self.block,) + self.tree_buckets)
 
 
 def empty_slots(statics: SlotStatics) -> SlotState:
@@ -174,10 +198,42 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         sampling=RowSampling.greedy(s),
         steps=jnp.zeros((s,), jnp.int32),
         accepted_histogram=jnp.zeros((s, statics.block), jnp.int32),
+        drafted=jnp.zeros((s,), jnp.int32),
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None
                        else empty_context_cache(statics.drafter_config, s, statics.slot.cache_length)),
     )
+
+
+@struct.dataclass
+class SlotParts:
+    """The arrays a slot step reads besides its state: the weights, and what is derived from them
+    once per server rather than once per step."""
+
+    target: dict
+    drafter: dict | None = None
+    draft_vocab: jax.Array | None = None
+    """[V'] token ids of the drafter's head, or None for the full vocabulary."""
+    head: jax.Array | None = None
+    """[d, V'] the target's LM head over the draft vocabulary (the drafter's output matrix)."""
+    refiner: dict | None = None
+    refiner_head: jax.Array | None = None
+    """[rank, V'] the refiner's projection of `head`."""
+    tree_costs: TreeCosts | None = None
+    """The budget rule's latency model for auto-sized trees; dynamic, so refitting never recompiles."""
+
+
+def slot_parts(statics: SlotStatics, target_params, drafter_params=None, draft_vocab=None, refiner_params=None,
+               tree_costs: TreeCosts | None = None) -> SlotParts:
+    """Gather a slot batch's parts, computing the draft head (and the refiner's low-rank head) once."""
+    if drafter_params is None:
+        return SlotParts(target_params)
+    draft_vocab = None if draft_vocab is None else jnp.asarray(draft_vocab)
+    head = jax.jit(head_matrix, static_argnums=1)(target_params, statics.target_config, draft_vocab)
+    refiner_head = None
+    if refiner_params is not None:
+        refiner_head = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, statics.refiner_config, head)
+    return SlotParts(target_params, drafter_params, draft_vocab, head, refiner_params, refiner_head, tree_costs)
 
 
 @struct.dataclass
@@ -203,12 +259,12 @@ def _put_rows(whole, part, rows):
 
 
 @partial(jax.jit, static_argnames=("statics",), donate_argnames=("state",))
-def insert(params, drafter_params, state: SlotState, request: InsertRequest, *, statics: SlotStatics) -> SlotState:
+def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, statics: SlotStatics) -> SlotState:
     """Prefill R prompts and place them, with their first token, into their slots; others untouched."""
     count = request.rows.shape[0]
     dcfg = statics.drafter_config
     taps = () if dcfg is None else dcfg.target_layer_ids
-    logits, cache, features = prefill(params, statics.target_config, request.prompts, request.prompt_lengths,
+    logits, cache, features = prefill(parts.target, statics.target_config, request.prompts, request.prompt_lengths,
                                       statics.slot.cache_length, hidden_layers=taps)
     keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))(request.seeds)  # [R, 2]
     keys, first_keys = split_row_keys(keys, 2)
@@ -227,10 +283,11 @@ def insert(params, drafter_params, state: SlotState, request: InsertRequest, *, 
         sampling=put(state.sampling, request.sampling),
         steps=put(state.steps, jnp.zeros((count,), jnp.int32)),
         accepted_histogram=put(state.accepted_histogram, jnp.zeros((count, statics.block), jnp.int32)),
+        drafted=put(state.drafted, jnp.zeros((count,), jnp.int32)),
         target_cache=put(state.target_cache, cache),
     )
     if dcfg is not None:
-        context = prefill_context(drafter_params, dcfg, count, statics.slot.cache_length, features,
+        context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
                                   request.prompt_lengths)
         fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
@@ -242,44 +299,53 @@ def _any_sampled(sampling: RowSampling) -> jax.Array:
     return jnp.any(sampling.temperature > 0)
 
 
-def _ar_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics,
-             attend_slots: int | None) -> SlotState:
+def _ar_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None) -> SlotState:
     """One token for every live row."""
     keys, draw_keys = split_row_keys(state.keys, 2)
-    out = forward(params, statics.target_config, state.last_token[:, None], state.lengths[:, None],
+    out = forward(parts.target, statics.target_config, state.last_token[:, None], state.lengths[:, None],
                   state.target_cache, state.lengths, attend_slots=attend_slots)
     logits = out.logits[:, 0]  # [S, V]
     token = jax.lax.cond(_any_sampled(state.sampling),
                          lambda: row_categorical(draw_keys, row_processed_logits(logits, state.sampling)),
                          lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [S]
-    return _commit(state, jnp.zeros((state.lengths.shape[0], 0), jnp.int32), jnp.zeros_like(token), token, keys,
-                   out.cache, state.context_cache, statics)
+    no_drafts = jnp.zeros((state.lengths.shape[0], 0), jnp.int32)
+    return _commit(state, no_drafts, jnp.zeros_like(token), token, keys, out.cache, state.context_cache, statics,
+                   drafted=0)
 
 
-def _chain_step(params, drafter_params, head, draft_vocab, state: SlotState, statics: SlotStatics,
-                attend_slots: int | None) -> SlotState:
-    """Draft a block, verify it in one target pass, accept per row (speculative sampling, which is
-    greedy acceptance on greedy rows)."""
+def _refiner_inputs(parts: SlotParts, statics: SlotStatics) -> RefinerInputs:
+    return RefinerInputs(parts.refiner, parts.refiner_head, statics.refiner_config, statics.refine)
+
+
+def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None,
+                refined: bool = False) -> SlotState:
+    """Draft a block (and refine it), verify it in one target pass, accept per row (speculative
+    sampling, which is greedy acceptance on greedy rows)."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
     block = dcfg.block_size
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
-    logits = draft_block(params, tcfg, drafter_params, dcfg, state.last_token, state.lengths, state.context_cache,
-                         head)  # [S, K, V']
+    hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
+                                state.context_cache)  # [S, K, d]
+    logits = apply_head(hidden, parts.head)  # [S, K, V']
     sampled = _any_sampled(state.sampling)
+    greedy_draft = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)  # noqa: E731
     draft_index = jax.lax.cond(
         sampled, lambda: row_categorical(draft_keys, row_processed_logits(logits, state.sampling)),
-        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [S, K]
-    draft, _ = _to_full_vocabulary(draft_index, None, draft_vocab, tcfg.vocab_size)
+        lambda: greedy_draft(logits))  # [S, K]
+    if refined:
+        logits, draft_index = _refine(parts, state, statics, hidden, logits, draft_index, draft_keys, sampled)
+    draft, _ = _to_full_vocabulary(draft_index, None, parts.draft_vocab, tcfg.vocab_size)
 
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, Bk]
     positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
-    out = forward(params, tcfg, verify_tokens, positions, state.target_cache, state.lengths,
+    out = forward(parts.target, tcfg, verify_tokens, positions, state.target_cache, state.lengths,
                   hidden_layers=dcfg.target_layer_ids, attend_slots=attend_slots)  # logits [S, Bk, V], hidden
 
     def sampled_acceptance():
-        # q is recomputed from the same drafter logits the drafts were drawn from, so it is their q.
+        # q is recomputed from the logits the drafts were drawn from (the refined ones with a
+        # refiner), so it is their q.
         q = jax.nn.softmax(row_processed_logits(logits, state.sampling), axis=-1)
-        _, q = _to_full_vocabulary(draft_index, q, draft_vocab, tcfg.vocab_size)
+        _, q = _to_full_vocabulary(draft_index, q, parts.draft_vocab, tcfg.vocab_size)
         p = jax.nn.softmax(row_processed_logits(out.logits, state.sampling), axis=-1)
         one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
         n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)
@@ -287,13 +353,90 @@ def _chain_step(params, drafter_params, head, draft_vocab, state: SlotState, sta
 
     n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, out.logits))
     advance = jnp.where(state.done, 0, n + 1)
-    context = append_context(drafter_params, dcfg, state.context_cache, out.hidden, positions, state.lengths,
+    context = append_context(parts.drafter, dcfg, state.context_cache, out.hidden, positions, state.lengths,
                              state.lengths + advance)
-    return _commit(state, draft, n, next_token, keys, out.cache, context, statics)
+    return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=block - 1)
 
 
-def _commit(state: SlotState, draft, n, next_token, keys, target_cache, context_cache, statics: SlotStatics):
-    """Write d_1..d_n and next_token to each live row; rows already done keep everything but caches."""
+def _refine(parts: SlotParts, state: SlotState, statics: SlotStatics, hidden, logits, draft_index, draft_keys,
+            sampled):
+    """Jacobi refinement of every row's draft (decode/refine.py) with per-row choices: greedy rows
+    take the argmax; sampled rows a Gumbel-max draw whose noise is drawn once per block from the
+    row's key, which keeps the refined draft an exact sample of the refined q."""
+    tcfg = statics.target_config
+    to_token = (lambda i: i) if parts.draft_vocab is None else (lambda i: jnp.take(parts.draft_vocab, i))
+    embed_index = lambda i: embed_tokens(parts.target, tcfg, to_token(i))  # noqa: E731
+    anchor_embed = embed_tokens(parts.target, tcfg, state.last_token[:, None])[:, 0]  # [S, d]
+    refiner = _refiner_inputs(parts, statics)
+
+    def run(choose):
+        draft, refined_logits, _ = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits,
+                                                 anchor_embed, draft_index, embed_index, refiner.low_rank_head,
+                                                 SamplingConfig(), None, choose=choose)
+        return refined_logits, draft
+
+    def with_sampling():
+        # The refinement noise comes from a key split off the draft key, so it is independent of the
+        # first draft; one Gumbel draw per row, slot and token, reused by every pass.
+        noise_keys = split_row_keys(draft_keys, 1)[0]
+        noise = jax.vmap(lambda k: jax.random.gumbel(jax.random.wrap_key_data(k), logits.shape[1:]))(noise_keys)
+        return run(lambda lg: jnp.argmax(row_processed_logits(lg, state.sampling) + noise, axis=-1).astype(jnp.int32))
+
+    return jax.lax.cond(sampled, with_sampling, lambda: run(lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)))
+
+
+def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None,
+               refined: bool = False) -> SlotState:
+    """Build a draft tree per row from the drafter's marginals (refined ones with a refiner), size
+    it for the batch by the budget rule (or the fixed budget), verify every node in one target pass
+    and accept by the target-first traversal, drawing each row's y_v with its own key."""
+    tcfg, dcfg, tree = statics.target_config, statics.drafter_config, statics.tree
+    block, num_draft = dcfg.block_size, dcfg.block_size - 1
+    buckets = statics.tree_buckets
+    max_nodes = buckets[-1]
+    keys, accept_keys = split_row_keys(state.keys, 2)
+    live = ~state.done
+    sampled = _any_sampled(state.sampling)
+    refiner = _refiner_inputs(parts, statics) if refined else None
+    logits, _ = draft_marginals(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
+                                state.context_cache, parts.head, parts.draft_vocab, refiner)  # [S, K, V']
+    # Sampled rows grow their trees on the processed marginals, the distribution the target samples;
+    # greedy rows on the raw ones (their one-hot processed form would leave one candidate per depth).
+    is_sampled = (state.sampling.temperature > 0)[:, None, None]
+    logits = jax.lax.cond(sampled, lambda: jnp.where(is_sampled, row_processed_logits(logits, state.sampling), logits),
+                          lambda: logits.astype(jnp.float32))
+    nodes = build_tree(state.last_token, logits, parts.draft_vocab, tree, SamplingConfig(), max_nodes)
+    if tree.auto:
+        chosen = chosen_tree_size(nodes.log_prob, nodes.valid, live, parts.tree_costs, max_nodes)  # []
+        bucket = jnp.minimum(jnp.sum(jnp.asarray(buckets, jnp.int32) < chosen), len(buckets) - 1)
+    else:
+        bucket = jnp.int32(0)
+
+    def draw(target_logits):  # [S, N, V] -> [S, N]: y_v at every node
+        return jax.lax.cond(sampled,
+                            lambda: row_categorical(accept_keys, row_processed_logits(target_logits, state.sampling)),
+                            lambda: jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
+
+    def verify_at(size):
+        def verify(nodes):
+            return verify_tree(parts.target, tcfg, nodes.take(size), state.lengths, state.target_cache,
+                               dcfg.target_layer_ids, SamplingConfig(), None, num_draft, draw=draw,
+                               attend_slots=attend_slots) + (jnp.int32(size - 1),)
+        return verify
+
+    n, next_token, accepted, cache, features, drafted = jax.lax.switch(
+        bucket, [verify_at(size) for size in buckets], nodes)
+    advance = jnp.where(state.done, 0, n + 1)
+    path_positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [S, K+1]
+    context = append_context(parts.drafter, dcfg, state.context_cache, features, path_positions, state.lengths,
+                             state.lengths + advance)
+    return _commit(state, accepted, n, next_token, keys, cache, context, statics, drafted=drafted)
+
+
+def _commit(state: SlotState, draft, n, next_token, keys, target_cache, context_cache, statics: SlotStatics,
+            drafted):
+    """Write d_1..d_n and next_token to each live row; rows already done keep everything but caches.
+    drafted: draft tokens the step checked per live row."""
     eos = _eos_array(statics.eos_token_ids)
     live = ~state.done
     tokens, num_generated, done, advance = commit_tokens(state.tokens, state.num_generated, state.done, draft, n,
@@ -308,6 +451,7 @@ def _commit(state: SlotState, draft, n, next_token, keys, target_cache, context_
         keys=keys,
         steps=state.steps + live,
         accepted_histogram=state.accepted_histogram + live[:, None] * (slot == n[:, None]),
+        drafted=state.drafted + live * drafted,
         target_cache=target_cache,
         context_cache=context_cache,
     )
@@ -318,33 +462,51 @@ class SlotMethod:
     """One decoding method at slot level."""
 
     name: str
-    needs_drafter: bool
     one_step: Callable
-    """(params, drafter_params, head, draft_vocab, state, statics, attend_slots) -> state: one verify step."""
+    """(parts, state, statics, attend_slots) -> state: one verify step for every live row."""
+    needs_drafter: bool = True
+    needs_refiner: bool = False
+    needs_tree: bool = False
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
-    "ar": SlotMethod("ar", needs_drafter=False, one_step=_ar_step),
-    "chain": SlotMethod("chain", needs_drafter=True, one_step=_chain_step),
+    "ar": SlotMethod("ar", _ar_step, needs_drafter=False),
+    "chain": SlotMethod("chain", _chain_step),
+    "chain+refiner": SlotMethod("chain+refiner", partial(_chain_step, refined=True), needs_refiner=True),
+    "tree": SlotMethod("tree", _tree_step, needs_tree=True),
+    "tree+refiner": SlotMethod("tree+refiner", partial(_tree_step, refined=True), needs_refiner=True, needs_tree=True),
 }
 
 
 def slot_method(name: str) -> SlotMethod:
     if name not in SLOT_METHODS:
-        raise SpecjaxError(f"method {name!r} cannot serve yet; serving methods: {', '.join(SLOT_METHODS)}")
+        raise SpecjaxError(f"unknown method {name!r}; serving methods: {', '.join(SLOT_METHODS)}")
     return SLOT_METHODS[name]
 
 
+def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None) -> SlotMethod:
+    """The method, after checking that the statics (and parts) hold what it reads."""
+    method = slot_method(name)
+    missing = [what for what, needed, there in (
+        ("a drafter", method.needs_drafter, statics.drafter_config is not None),
+        ("a refiner", method.needs_refiner, statics.refiner_config is not None),
+        ("a tree config", method.needs_tree, statics.tree is not None)) if needed and not there]
+    if missing:
+        raise SpecjaxError(f"method {name!r} needs {' and '.join(missing)}")
+    if method.needs_tree and statics.tree.auto and parts is not None and parts.tree_costs is None:
+        raise SpecjaxError(f"method {name!r} sizes trees by measured costs; give SlotParts.tree_costs "
+                           f"(or a fixed tree budget)")
+    return method
+
+
 @partial(jax.jit, static_argnames=("method", "statics", "attend_slots"), donate_argnames=("state",))
-def step(params, drafter_params, draft_vocab, state: SlotState, *, method: str, statics: SlotStatics,
+def step(parts: SlotParts, state: SlotState, *, method: str, statics: SlotStatics,
          attend_slots: int | None = None) -> SlotState:
     """steps_per_sync verify steps for every live slot, in one device call.
 
     attend_slots (static): the target attends to the first attend_slots cache slots only. The caller
-    guarantees every live row's length + steps_per_sync * (verify writes) fits in it; one compiled
-    step per bucket of it lets short contexts skip reading the rest of the cache."""
-    one_step = SLOT_METHODS[method].one_step
-    head = None if statics.drafter_config is None else head_matrix(params, statics.target_config, draft_vocab)
-    return jax.lax.fori_loop(
-        0, statics.slot.steps_per_sync,
-        lambda _, s: one_step(params, drafter_params, head, draft_vocab, s, statics, attend_slots), state)
+    guarantees every live row's length + steps_per_sync * statics.step_writes fits in it; one
+    compiled step per bucket of it lets short contexts skip reading the rest of the cache."""
+    one_step = check_method(method, statics, parts).one_step
+    return jax.lax.fori_loop(0, statics.slot.steps_per_sync,
+                             lambda _, s: one_step(parts, s, statics, attend_slots), state)

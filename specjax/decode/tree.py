@@ -23,16 +23,17 @@ drafter's output; no draft probability enters the acceptance test.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decode.budget import TreeCosts, chosen_tree_size
+from specjax.decode.budget import LatencyModel, TreeCosts, chosen_tree_size, median_seconds
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits
-from specjax.decode.context import append_context
+from specjax.decode.context import append_context, empty_context_cache
 from specjax.decode.speculative import (ChainState, RefinerInputs, commit_tokens,
                                         draft_block_states, start_speculation)
 from specjax.errors import SpecjaxError
@@ -233,11 +234,17 @@ def accept_tree(tree: DraftTree, target_logits, sampling: SamplingConfig, rng, m
     Returns (n_accepted [B], next_token [B], path [B, max_depth + 1]): path[:, j] is the node at
     depth j of the accepted path for j <= n, then repeats the last accepted node.
     """
-    batch, num_nodes = tree.token.shape
     if sampling.greedy:
         drawn = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
     else:
         drawn = jax.random.categorical(rng, processed_logits(target_logits, sampling), axis=-1).astype(jnp.int32)
+    return accept_tree_draws(tree, drawn, max_depth)
+
+
+def accept_tree_draws(tree: DraftTree, drawn, max_depth: int):
+    """The traversal given the target's draw y_v at every node, drawn [B, N] (independent draws, or
+    the argmax when greedy). Returns what accept_tree does."""
+    batch, num_nodes = tree.token.shape
     node = jnp.arange(num_nodes, dtype=jnp.int32)
     is_child = (tree.parent[:, None, :] == node[None, :, None]) & tree.valid[:, None, :]  # [B, v, c]
     # Siblings carry distinct tokens, so at most one child matches.
@@ -318,16 +325,23 @@ def build_tree(last_token, draft_logits, draft_vocab, tree: TreeConfig, sampling
 
 
 def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree, lengths, target_cache: KVCache,
-                taps, sampling: SamplingConfig, rng, max_depth: int):
+                taps, sampling: SamplingConfig, rng, max_depth: int, draw=None, attend_slots: int | None = None):
     """One target pass over every node, then acceptance and cache compaction.
+
+    draw, if given, replaces drawing from `sampling` and `rng`: target logits [B, N, V] -> the draw
+    at every node [B, N] (the slot step's per-row sampling). attend_slots: as in `forward`.
 
     Returns (n [B], next_token [B], accepted_drafts [B, max_depth], target_cache, path_features
     [B, max_depth + 1, taps, d]). The accepted path's K/V entries are moved to slots
     lengths .. lengths + n, where the next step expects them; everything past is invisible garbage."""
     positions = lengths[:, None] + tree.depth  # [B, N]
     out = forward(target_params, target_config, tree.token, positions, target_cache, lengths,
-                  block_mask=ancestor_mask(tree, max_depth), hidden_layers=taps)  # logits [B, N, V], hidden [B, N, taps, d]
-    n, next_token, path = accept_tree(tree, out.logits, sampling, rng, max_depth)  # path [B, K+1]
+                  block_mask=ancestor_mask(tree, max_depth), hidden_layers=taps,
+                  attend_slots=attend_slots)  # logits [B, N, V], hidden [B, N, taps, d]
+    if draw is None:
+        n, next_token, path = accept_tree(tree, out.logits, sampling, rng, max_depth)  # path [B, K+1]
+    else:
+        n, next_token, path = accept_tree_draws(tree, draw(out.logits), max_depth)
     accepted_drafts = jnp.take_along_axis(tree.token, path[:, 1:], axis=1)  # [B, K]
     source_slots = lengths[:, None] + path  # [B, K+1]
 
@@ -440,3 +454,64 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), one_step, state)
     return TreeOutput(final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram,
                       final.bucket_histogram, final.chosen_nodes, final.refine_passes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the costs the budget rule weighs
+# ---------------------------------------------------------------------------------------------
+
+def tree_latency_key(model_name: str, target_config: TransformerConfig, batch: int, cache_length: int,
+                     tree: TreeConfig, block: int, refined: bool) -> str:
+    """What a measured latency model belongs to (machine, model, shapes, how the tree is drafted)."""
+    sizes = (1,) + tuple(s for s in tree.node_buckets(block - 1) if s != 1)
+    key = LatencyModel.key(model_name, target_config, batch, cache_length, sizes)
+    drafted = "refined" if refined else "drafter"
+    return f"{key}|{drafted}|{tree.shape}|k{tree.top_k}|w{tree.width}"
+
+
+def measure_tree_latency(target_params, target_config: TransformerConfig, drafter_params,
+                         drafter_config: DrafterConfig, draft_vocab, refiner: RefinerInputs | None, tree: TreeConfig,
+                         sampling: SamplingConfig, lengths, cache_length: int, repeats: int = 5,
+                         verify_seconds: dict | None = None) -> LatencyModel:
+    """Time one verify pass at every node bucket (and at 1, a plain decode step) and the step's
+    size-independent part (drafting, tree building) at batch lengths.shape[0] on this machine.
+
+    verify_seconds: a memo of verify times by (batch, cache_length, size), shared between trees of
+    any shape or drafter, since a verify pass costs the same whatever its tree looks like."""
+    from tqdm.auto import tqdm
+
+    batch, num_draft = lengths.shape[0], drafter_config.block_size - 1
+    verify_seconds = {} if verify_seconds is None else verify_seconds
+    sizes = [1] + [s for s in tree.node_buckets(num_draft) if s != 1]
+    max_nodes = tree.node_buckets(num_draft)[-1]
+    target_cache = KVCache.zeros(target_config, batch, cache_length)
+    context = empty_context_cache(drafter_config, batch, cache_length)
+    last = jnp.zeros((batch,), jnp.int32)
+    head = jax.jit(head_matrix, static_argnums=1)(target_params, target_config, draft_vocab)
+
+    def fixed_part(tp, dp, ctx, h, dv, ref):
+        logits, _ = draft_marginals(tp, target_config, dp, drafter_config, last, lengths, ctx, h, dv, ref)
+        return build_tree(last, logits, dv, tree, sampling, max_nodes)
+
+    def verify_part(tp, cache, size):
+        # A chain-shaped tree of `size` nodes: cost depends on the node count, not the shape.
+        depth = jnp.minimum(jnp.arange(size, dtype=jnp.int32), num_draft)
+        nodes = DraftTree(token=jnp.zeros((batch, size), jnp.int32),
+                          parent=jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32) - 1, (batch, size)),
+                          depth=jnp.broadcast_to(depth, (batch, size)),
+                          log_prob=jnp.zeros((batch, size)), valid=jnp.ones((batch, size), bool))
+        return verify_tree(tp, target_config, nodes, lengths, cache, drafter_config.target_layer_ids, sampling,
+                           jax.random.key(0), num_draft)
+
+    print(f"[specjax] measuring tree verification latency at batch {batch}, cache {cache_length} "
+          f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
+    verify_s = []
+    for size in tqdm(sizes, desc="latency", leave=False, disable=not sys.stderr.isatty()):
+        measured = (batch, cache_length, size)
+        if measured not in verify_seconds:
+            fn = jax.jit(verify_part, static_argnums=2)
+            verify_seconds[measured] = median_seconds(repeats, lambda: fn(target_params, target_cache, size))
+        verify_s.append(verify_seconds[measured])
+    fixed = jax.jit(fixed_part)
+    fixed_s = median_seconds(repeats, lambda: fixed(target_params, drafter_params, context, head, draft_vocab, refiner))
+    return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)

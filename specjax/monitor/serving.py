@@ -78,12 +78,13 @@ class ServingMetrics:
             for _ in range(count):
                 self.itl.observe(gap_seconds / count)
 
-    def verify_steps(self, steps: int, draft_tokens_per_step: int, accepted_per_position: list[int]) -> None:
-        """Rows' verify steps since the last report and how many reached each draft position."""
-        if draft_tokens_per_step == 0:
+    def verify_steps(self, steps: int, draft_tokens: int, accepted_per_position: list[int]) -> None:
+        """Rows' verify steps since the last report, the draft tokens they checked and how many
+        reached each draft position."""
+        if draft_tokens == 0:
             return
         self.drafts.inc(steps)
-        self.draft_tokens.inc(steps * draft_tokens_per_step)
+        self.draft_tokens.inc(draft_tokens)
         self.accepted_tokens.inc(sum(accepted_per_position))
         for position, count in enumerate(accepted_per_position, start=1):
             self.accepted_per_pos.labels(position=str(position)).inc(count)

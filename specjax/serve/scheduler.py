@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import jax
@@ -27,9 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import slots as slot_api
+from specjax.decode.budget import LatencyModel
+from specjax.decode.refine import RefineConfig
 from specjax.decode.sampling import SamplingConfig
+from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.dflash import LoadedDrafter, check_pair
+from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
 from specjax.monitor.memory import target_kv_bytes
 from specjax.monitor.serving import ServingMetrics
@@ -55,6 +60,11 @@ class ServeConfig:
     """Prompts are padded to a power-of-two multiple of this (one compiled insert per bucket)."""
     max_queue: int = 256
     """Requests waiting for a slot beyond which submit refuses (the server answers 429)."""
+    tree: TreeConfig = TreeConfig()
+    """Tree shape and sizes for the tree methods. Auto-sized trees weigh verify costs measured at
+    this slot count and cache length (once per machine and model, then cached on disk)."""
+    refine: RefineConfig = RefineConfig()
+    """Refinement passes per block for the +refiner methods."""
 
     def __post_init__(self):
         check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
@@ -198,6 +208,7 @@ class _Live:
     first_token_at: float | None = None
     last_chunk_at: float | None = None
     steps_reported: int = 0
+    drafted_reported: int = 0
     reached_reported: np.ndarray | None = None
 
 
@@ -205,37 +216,53 @@ class Scheduler:
     """Continuous batching over `config.slots` slots for one model (and drafter)."""
 
     def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, config: ServeConfig = ServeConfig(),
-                 metrics_log: str | None = None, compile_now: bool = True):
+                 metrics_log: str | None = None, compile_now: bool = True, refiner: LoadedRefiner | None = None,
+                 latency_cache: Path | None = None):
+        """refiner: for the +refiner methods. latency_cache: where measured tree costs are kept
+        between processes (default $SPECJAX_CACHE/latency)."""
         method = slot_api.slot_method(config.method)
         if method.needs_drafter and drafter is None:
             raise SpecjaxError(f"method {config.method!r} needs a drafter")
+        if method.needs_refiner and refiner is None:
+            raise SpecjaxError(f"method {config.method!r} needs a refiner")
         if drafter is not None and method.needs_drafter:
             check_pair(drafter, model.config)
         else:
             drafter = None
-        self.model, self.drafter, self.config = model, drafter, config
-        block = 1 if drafter is None else drafter.config.block_size
-        # A verify step writes up to one block (or the padded query rows) past a row's committed tokens.
-        self.step_slack = max(block, model.config.query_rows or 1)
+        if refiner is not None and method.needs_refiner:
+            check_refiner(refiner, drafter)
+        else:
+            refiner = None
+        self.model, self.drafter, self.refiner, self.config = model, drafter, refiner, config
+        cache_length = -(-config.context_length // 64) * 64
+        slot_config = slot_api.SlotConfig(slots=config.slots, cache_length=cache_length,
+                                          max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync)
+        statics = slot_api.SlotStatics(
+            target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
+            drafter_config=None if drafter is None else drafter.config,
+            refiner_config=None if refiner is None else refiner.config, refine=config.refine,
+            tree=config.tree if method.needs_tree else None)
+        # A verify step writes up to one block or tree (or the padded query rows) past a row's
+        # committed tokens; sliding layers keep KV rings that hold that much past their window.
+        self.step_slack = max(statics.step_writes, model.config.query_rows or 1)
         if config.max_new_tokens + self.step_slack + 1 > config.context_length:
             raise SpecjaxError(f"context_length {config.context_length} leaves no room for a prompt with "
                                f"max_new_tokens {config.max_new_tokens}")
-        cache_length = -(-config.context_length // 64) * 64
-        self.statics = slot_api.SlotStatics(
-            target_config=model.config.with_kv_rings(self.step_slack),
-            slot=slot_api.SlotConfig(slots=config.slots, cache_length=cache_length,
-                                     max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync),
-            eos_token_ids=tuple(model.eos_token_ids),
-            drafter_config=None if drafter is None else drafter.config,
-        )
+        self.statics = dataclasses.replace(statics, target_config=model.config.with_kv_rings(self.step_slack))
         self.max_prompt = config.context_length - self.step_slack - 1
         self.prompt_buckets = self._buckets()
         # Steps compiled per attention length: a batch of short contexts reads only what it needs.
         self.attend_buckets = tuple(sorted({min(128 * 2**i, cache_length) for i in range(16)
                                             if i == 0 or 128 * 2**(i - 1) < cache_length}))
         self._lengths = np.zeros(config.slots, np.int64)  # each slot's cache length at the last sync
-        self._drafter_params = None if drafter is None else drafter.params
-        self._draft_vocab = None if drafter is None or drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
+        self.parts = slot_api.slot_parts(self.statics, model.params, None if drafter is None else drafter.params,
+                                         None if drafter is None else drafter.draft_vocab,
+                                         None if refiner is None else refiner.params)
+        self.latency: LatencyModel | None = None
+        if method.needs_tree and config.tree.auto:
+            self.latency = self._tree_latency(latency_cache)
+            self.parts = self.parts.replace(tree_costs=self.latency.costs())
+        slot_api.check_method(config.method, self.statics, self.parts)
         self.metrics = ServingMetrics(config.method, metrics_log)
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
@@ -261,6 +288,27 @@ class Scheduler:
 
     # ---- shapes and compilation ----
 
+    def _tree_latency(self, folder: Path | None) -> LatencyModel:
+        """Verify costs at this slot count and cache length: from the on-disk cache, or measured now."""
+        if folder is None:
+            from specjax.io.registry import cache_dir
+            folder = cache_dir() / "latency"
+        statics = self.statics
+        key = tree_latency_key(self.model.name, statics.target_config, statics.slot.slots, statics.slot.cache_length,
+                               statics.tree, statics.block, self.refiner is not None)
+        latency = LatencyModel.load(key, folder)
+        if latency is None:
+            from specjax.decode.speculative import RefinerInputs
+            refiner = None if self.refiner is None else RefinerInputs(
+                self.parts.refiner, self.parts.refiner_head, statics.refiner_config, statics.refine)
+            # Measured with every slot about half full: the middle of what a busy server holds.
+            lengths = jnp.full((statics.slot.slots,), statics.slot.cache_length // 2, jnp.int32)
+            latency = measure_tree_latency(self.parts.target, statics.target_config, self.parts.drafter,
+                                           statics.drafter_config, self.parts.draft_vocab, refiner, statics.tree,
+                                           SamplingConfig(), lengths, statics.slot.cache_length)
+            latency.save(key, folder)
+        return latency
+
     def _buckets(self) -> tuple[int, ...]:
         buckets, size = [], self.config.prompt_bucket
         while size < self.max_prompt:
@@ -282,14 +330,13 @@ class Scheduler:
     def compile(self) -> None:
         """Compile the step and one insert per prompt bucket now, so no request waits for XLA."""
         started = time.perf_counter()
-        params = self.model.params
         for length in self.attend_buckets:
             self._compiled["step", length] = slot_api.step.lower(
-                params, self._drafter_params, self._draft_vocab, self._state, method=self.config.method,
-                statics=self.statics, attend_slots=length).compile()
+                self.parts, self._state, method=self.config.method, statics=self.statics,
+                attend_slots=length).compile()
         for bucket in self.prompt_buckets:
             request = self._insert_request([self.config.slots], np.zeros((1, bucket)), [1], [1], [0], [0.0], [0], [1.0])
-            self._compiled[bucket] = slot_api.insert.lower(params, self._drafter_params, self._state, request,
+            self._compiled[bucket] = slot_api.insert.lower(self.parts, self._state, request,
                                                            statics=self.statics).compile()
         self.compile_seconds = time.perf_counter() - started
         print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step for "
@@ -381,8 +428,7 @@ class Scheduler:
                     self._wakeup.clear()
                     continue
                 started = time.perf_counter()
-                self._state = self._compiled_step(self._attend_length())(
-                    self.model.params, self._drafter_params, self._draft_vocab, self._state)
+                self._state = self._compiled_step(self._attend_length())(self.parts, self._state)
                 self._collect(time.perf_counter() - started)
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
@@ -433,7 +479,7 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 run = self._compiled.get(bucket) or (lambda *a: slot_api.insert(*a, statics=self.statics))
-                self._state = run(self.model.params, self._drafter_params, self._state, insert)
+                self._state = run(self.parts, self._state, insert)
             except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
                 log.exception("prefill failed")
                 self._finish_unstarted(handle, arrived, "error", f"{type(error).__name__}: {error}")
@@ -455,7 +501,8 @@ class Scheduler:
         """One host sync: stream new tokens, finish rows that ended, report metrics."""
         state = self._state
         synced = jax.device_get(
-            (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths))
+            (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
+             state.drafted))
         now = time.perf_counter()
         if step_seconds is not None:
             self.metrics.timing("step", step_seconds)
@@ -470,7 +517,7 @@ class Scheduler:
         self._report_memory(synced[5])
 
     def _sync_slot(self, slot: int, live: _Live, synced, now: float) -> None:
-        tokens, counts, done, steps, histogram, _ = synced
+        tokens, counts, done, steps, histogram, _, drafted = synced
         request = live.handle.request
         tokenizer = self.model.tokenizer
         block = self.statics.block
@@ -498,9 +545,10 @@ class Scheduler:
         # Speculative counters: verify steps and draft positions reached since the last sync.
         if block > 1:
             reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
-            self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, block - 1,
+            self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, int(drafted[slot]) - live.drafted_reported,
                                       (reached - live.reached_reported).tolist())
             live.steps_reported, live.reached_reported = int(steps[slot]), reached
+            live.drafted_reported = int(drafted[slot])
         if reason is None and done[slot]:
             at_limit = count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count])
             reason = "length" if at_limit else "stop"
@@ -537,10 +585,12 @@ class Scheduler:
             reached = histogram[::-1].cumsum()[::-1][1:]
             out["speculative_decoding"] = {
                 "mean_acceptance_length": committed / steps if steps else 0.0,
-                "acceptance_rate": float(reached.sum() / (steps * (len(histogram) - 1))) if steps else 0.0,
+                # Accepted over checked draft tokens (a tree checks all its nodes, a chain its block).
+                "acceptance_rate": float(reached.sum() / live.drafted_reported) if live.drafted_reported else 0.0,
                 "per_position_acceptance": (reached / steps).tolist() if steps else [],
                 "acceptance_histogram": histogram.tolist(),
                 "verify_steps": steps,
+                "draft_tokens": live.drafted_reported,
             }
         return out
 
