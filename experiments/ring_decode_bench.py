@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from specjax.decode.autoregressive import continue_autoregressive, start_autoregressive  # noqa: E402
 from specjax.decode.sampling import SamplingConfig  # noqa: E402
 from specjax.io.registry import load_model  # noqa: E402
-from specjax.monitor.memory import target_kv_bytes  # noqa: E402
+from specjax.decode.memory import target_kv_bytes  # noqa: E402
 
 STATICS = ("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length")
 

@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from specjax.io.hf import config_from_hf  # noqa: E402
-from specjax.monitor.memory import target_kv_bytes  # noqa: E402
+from specjax.decode.memory import target_kv_bytes  # noqa: E402
 
 # The attention-shape keys of each model's config.json (huggingface.co/<name>/blob/main/config.json).
 MODELS = {

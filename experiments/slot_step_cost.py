@@ -20,6 +20,5 @@ def bench(method, S, cache=512, sps=4, L=None):
     for _ in range(3):
         t=time.perf_counter(); state=f(state); jax.block_until_ready(state.tokens); ts.append(time.perf_counter()-t)
     print(method, S, L, f"{np.median(ts)/sps*1000:.0f} ms per step", flush=True)
-import sys
 for method, S, L in [("ar",1,128),("ar",8,128),("ar",16,128),("ar",32,128)]:
     bench(method, S, L=L)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.cache import KVCache, write_rows
+from specjax.models.cache import KVCache, tree_bytes, write_rows
 from specjax.models.drafter import ContextKeys, Drafter, DrafterConfig
 
 
@@ -61,8 +61,6 @@ def empty_context_cache(config: DrafterConfig, batch: int, cache_length: int) ->
 
 def context_state_bytes(config: DrafterConfig, batch: int, cache_length: int) -> int:
     """Bytes of the drafter's context state for contexts of cache_length positions (no allocation)."""
-    from specjax.monitor.memory import tree_bytes
-
     return tree_bytes(jax.eval_shape(lambda: empty_context_cache(config, batch, cache_length)))
 
 

@@ -79,3 +79,8 @@ def write_ring(buffer: jax.Array, update: jax.Array, start: jax.Array, valid_len
         return row.at[ix].set(new.astype(row.dtype), mode="drop")
 
     return jax.vmap(one_row)(buffer, update, index)
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))

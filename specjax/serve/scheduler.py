@@ -36,7 +36,7 @@ from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
-from specjax.monitor.memory import target_kv_bytes
+from specjax.decode.memory import target_kv_bytes
 from specjax.monitor.serving import ServingMetrics
 
 log = logging.getLogger("specjax.serve")
@@ -266,7 +266,7 @@ class Scheduler:
         self.metrics = ServingMetrics(config.method, metrics_log)
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
-            from specjax.monitor.memory import drafter_state_breakdown
+            from specjax.decode.memory import drafter_state_breakdown
             per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
             if per_token:
                 self._bytes_per_token["drafter"] = per_token
