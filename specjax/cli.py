@@ -130,7 +130,8 @@ def cmd_generate(args) -> int:
     refiner = _refiner_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
-    stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
+    # Every method streams (speculative ones through the serving step), except multi-pass drafting.
+    stream = not args.json and len(prompts) == 1 and model.tokenizer is not None and args.denoise_steps == 1
     printed = [""]
 
     def show(rows: list[list[int]]) -> None:
@@ -210,7 +211,8 @@ def cmd_memory(args) -> int:
     from specjax.io.dflash import check_pair
     from specjax.io.registry import at_compute_dtype, resolve_compressor, resolve_drafter
     from specjax.models.drafter import DrafterWindow, init_compressor_params
-    from specjax.monitor.memory import memory_report, plot_memory_report
+    from specjax.decode.memory import memory_report
+    from specjax.monitor.memory import plot_memory_report
 
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]

@@ -92,7 +92,10 @@ SMALL_TREES = TreeConfig(buckets=(1, 4, 8))
 """Auto-sized trees with few buckets, so the tiny tests measure and compile little."""
 
 
-@pytest.mark.parametrize("method", ["chain+refiner", "tree", "tree+refiner"])
+# tree+refiner runs every new code path (refined marginals, the tree step, measured costs); the
+# other two are slow, for the default suite's time budget.
+@pytest.mark.parametrize("method", [pytest.param("chain+refiner", marks=pytest.mark.slow),
+                                    pytest.param("tree", marks=pytest.mark.slow), "tree+refiner"])
 def test_every_method_serves_greedy_requests_exactly(target, drafter, method, tmp_path):
     """Greedy requests through the refiner and tree steps, with sampled requests sharing the batch,
     give Engine.generate's AR tokens; the tree's budget rule runs on costs measured at the slot count."""
@@ -115,6 +118,23 @@ def test_every_method_serves_greedy_requests_exactly(target, drafter, method, tm
         assert result.token_ids == whole[:limit]
     spec = results[0].metrics["speculative_decoding"]
     assert spec["verify_steps"] >= 1 and 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["draft_tokens"] >= 1
+
+
+@pytest.mark.parametrize("method", [pytest.param("chain", marks=pytest.mark.slow), "tree+refiner"])
+def test_every_method_streams_through_the_slot_step(target, drafter, method, tmp_path):
+    """Engine.generate with on_tokens drives the serving step: chunks grow, each a prefix of the
+    final output, which is the non-streamed output."""
+    refiner = _perturbed("gru", drafter) if method.endswith("refiner") else None
+    engine = Engine(target, drafter, refiner=refiner, latency_cache=tmp_path)
+    whole = engine.generate(PROMPTS[:3], 20, method=method, tree=SMALL_TREES)
+    seen = []
+    streamed = engine.generate(PROMPTS[:3], 20, method=method, tree=SMALL_TREES, on_tokens=seen.append,
+                               stream_every=4)
+    assert streamed.tokens == whole.tokens
+    assert len(seen) >= 3 and seen[-1] == whole.tokens
+    for earlier, later in zip(seen, seen[1:]):
+        assert all(b[: len(a)] == a for a, b in zip(earlier, later))
+    assert streamed.stats["streamed"] and streamed.stats["tau"] >= 1.0 and streamed.stats["draft_tokens"] >= 1
 
 
 def _sample_through_slots(target, drafter, sampling: SamplingConfig, prompt, count, depth, seed, step_fn=None,

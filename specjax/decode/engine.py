@@ -21,6 +21,8 @@ from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.budget import LatencyModel, median_seconds
 from specjax.decode.speculative import draft_chain, generate_chain
+from specjax.decode import slots as slot_api
+from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, generate_tree, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
@@ -31,12 +33,13 @@ from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
-from specjax.monitor.memory import decode_memory
+from specjax.decode.memory import decode_memory
 
-METHODS = ("ar", "chain", "chain+refiner", "tree", "tree+refiner")
-SPECULATIVE_METHODS = ("chain", "chain+refiner", "tree", "tree+refiner")
-REFINED_METHODS = ("chain+refiner", "tree+refiner")
-TREE_METHODS = ("tree", "tree+refiner")
+# Every name and what each method needs come from the one registry of methods (decode/slots.py).
+METHODS = tuple(SLOT_METHODS)
+SPECULATIVE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_drafter)
+REFINED_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_refiner)
+TREE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_tree)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -147,33 +150,39 @@ class Engine:
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
-        can show text as it appears. Without it the whole request is one device call.
+        can show text as it appears. Without it the whole request is one device call. Speculative
+        methods stream through the serving step (decode/slots.py), `stream_every // 2` verify steps
+        (at least one) per chunk; sampled rows then draw from per-row keys derived from `seed`, so a
+        streamed sampled output is reproducible but is not the non-streamed call's draw.
         refine: refinement passes per block for the +refiner methods.
         tree: shape and budget of draft trees for the tree methods.
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
-        if method not in METHODS:
+        if method not in SLOT_METHODS:
             raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-        if method in SPECULATIVE_METHODS and self.drafter is None:
+        spec = SLOT_METHODS[method]
+        if spec.needs_drafter and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
-        if method in REFINED_METHODS and self.refiner is None:
+        if spec.needs_refiner and self.refiner is None:
             raise SpecjaxError(f"method {method!r} needs a refiner")
         self.validate(prompts, max_new_tokens)
-        if method in SPECULATIVE_METHODS and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
+        if spec.needs_drafter and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
-        if method in TREE_METHODS and denoise_steps != 1:
+        if spec.needs_tree and denoise_steps != 1:
             raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
-        if method in TREE_METHODS:
+        if spec.needs_drafter and on_tokens is not None and denoise_steps != 1:
+            raise SpecjaxError("streamed speculative decoding drafts in one drafter pass; use denoise_steps=1")
+        if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
         # is also the most tokens one verify step writes, which sizes the sliding layers' KV rings.
         slack = 0
-        if method in SPECULATIVE_METHODS:
+        if spec.needs_drafter:
             slack = self.drafter.config.block_size
-        if method in TREE_METHODS:
+        if spec.needs_tree:
             slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
@@ -186,10 +195,10 @@ class Engine:
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
-            streaming=on_tokens is not None and method == "ar",
-            denoise_steps=denoise_steps if method in SPECULATIVE_METHODS else 1,
-            refine=refine if method in REFINED_METHODS else None,
-            tree=tree if method in TREE_METHODS else None,
+            streaming=on_tokens is not None,
+            denoise_steps=denoise_steps if spec.needs_drafter else 1,
+            refine=refine if spec.needs_refiner else None,
+            tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
@@ -197,9 +206,11 @@ class Engine:
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-        if method in TREE_METHODS:
+        if spec.needs_drafter and shape.streaming:
+            return self._with_precision(self._stream_slots(shape, args, on_tokens, stream_every))
+        if spec.needs_tree:
             return self._with_precision(self._generate_tree(shape, args))
-        if method in SPECULATIVE_METHODS:
+        if spec.needs_drafter:
             return self._with_precision(self._generate_chain(shape, args))
 
         statics = dict(config=self.decode_config(shape), sampling=sampling, eos_token_ids=shape.eos_token_ids)
@@ -297,6 +308,60 @@ class Engine:
             stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
         stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, shape.batch, shape.cache_length,
                                         self._compiled[shape])
+        return GenerationResult(rows, stats)
+
+    def _stream_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int) -> GenerationResult:
+        """Speculative streaming: the prompts fill the slots of the serving step, which runs a few
+        verify steps per device call; each call's tokens go to on_tokens."""
+        target_params, prompt_tokens, prompt_lengths, rng = args
+        batch = shape.batch
+        statics = slot_api.SlotStatics(
+            target_config=self.decode_config(shape),
+            slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
+                                     max_new_tokens=shape.max_new_tokens, steps_per_sync=max(1, stream_every // 2),
+                                     insert_rows=batch),
+            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config,
+            refiner_config=None if shape.refine is None else self.refiner.config,
+            refine=shape.refine or RefineConfig(), tree=shape.tree)
+        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
+        costs = None
+        if shape.tree is not None and shape.tree.auto:
+            costs = self._latency_model(shape, target_params, draft_vocab, prompt_lengths).costs()
+        parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
+                                    None if shape.refine is None else self.refiner.params, costs)
+        full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
+        seeds = jax.random.randint(rng, (batch,), 0, np.iinfo(np.int32).max).astype(jnp.uint32)
+        request = slot_api.InsertRequest(
+            rows=jnp.arange(batch, dtype=jnp.int32), prompts=prompt_tokens, prompt_lengths=prompt_lengths,
+            max_new_tokens=full(shape.max_new_tokens, jnp.int32), seeds=seeds,
+            sampling=slot_api.RowSampling(full(shape.sampling.temperature, jnp.float32),
+                                          full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)))
+        state = slot_api.empty_slots(statics)
+        compile_s = 0.0
+        if shape not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[shape] = (
+                slot_api.insert.lower(parts, state, request, statics=statics).compile(),
+                slot_api.step.lower(parts, state, method=shape.method, statics=statics).compile())
+            compile_s = time.perf_counter() - start
+        insert, step = self._compiled[shape]
+        start = time.perf_counter()
+        state = insert(parts, state, request)
+        while True:
+            tokens, counts, done = jax.device_get((state.tokens, state.num_generated, state.done))
+            on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
+            if done.all():
+                break
+            state = step(parts, state)
+        wall_s = time.perf_counter() - start
+        histogram, drafted = np.asarray(state.accepted_histogram), np.asarray(state.drafted)
+        rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
+        stats = _speculative_stats(shape.method, counts, histogram, wall_s, compile_s)
+        stats.update({
+            "streamed": True,
+            "draft_tokens": int(drafted.sum()),
+            "memory": decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length, None),
+        })
         return GenerationResult(rows, stats)
 
     def _generate_tree(self, shape: DecodeRequestShape, args) -> GenerationResult:
