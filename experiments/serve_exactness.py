@@ -28,6 +28,7 @@ def main():
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--method", default="chain")
     parser.add_argument("--category", default="chat")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="chunked prefill size (0 = whole prompts)")
     args = parser.parse_args()
 
     from specjax.data.prompts import heldout_prompts
@@ -44,13 +45,14 @@ def main():
     ar = [engine.generate([p], args.max_new_tokens).tokens[0] for p in prompts]
     alone = [engine.generate([p], args.max_new_tokens, method=args.method).tokens[0] for p in prompts]
     scheduler = Scheduler(model, drafter, ServeConfig(method=args.method, slots=args.slots, context_length=512,
-                                                      max_new_tokens=args.max_new_tokens), refiner=refiner)
+                                                      max_new_tokens=args.max_new_tokens,
+                                                      prefill_chunk=args.prefill_chunk), refiner=refiner)
     handles = [scheduler.submit(Request(tuple(p), max_tokens=args.max_new_tokens, temperature=0.0)) for p in prompts]
     served = [h.result().token_ids for h in handles]
     scheduler.shutdown()
 
     print(f"\nSmolLM2, {len(prompts)} held-out {args.category} prompts, {args.max_new_tokens} new tokens, "
-          f"greedy, float32; {args.method} through {args.slots} slots\n")
+          f"greedy, float32; {args.method} through {args.slots} slots, prefill chunk {args.prefill_chunk}\n")
     print("| prompt | served = generate (same method) | served = AR | generate = AR |")
     print("|---|---|---|---|")
     counts = [0, 0, 0]

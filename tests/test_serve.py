@@ -68,6 +68,30 @@ def test_greedy_requests_through_slots_equal_generate(target, drafter, chain_sch
         scheduler.shutdown()
 
 
+def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafter, monkeypatch):
+    """With prefill_chunk 4, prompts of up to 13 tokens enter their slots 4 tokens per scheduler turn
+    while the other slot decodes, and every greedy output is still generate's."""
+    scheduler = Scheduler(target, drafter, _config("chain", prefill_chunk=4), compile_now=False)
+    chunks: list[tuple[int, int]] = []  # (request id, tokens prefilled after the call)
+    prefill = scheduler._prefill
+
+    def counted(slot, live):
+        prefill(slot, live)
+        chunks.append((live.handle.id, live.prefilled))
+    monkeypatch.setattr(scheduler, "_prefill", counted)
+    prompts = [[(7 * i + j) % TINY.vocab_size for j in range(n)] for i, n in enumerate((11, 3, 13, 9))]
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=16, temperature=0.0)) for p in prompts]
+        results = [h.result(timeout=120) for h in handles]
+    finally:
+        scheduler.shutdown()
+    expected = Engine(target, drafter).generate(prompts, 16, method="chain").tokens
+    assert [r.token_ids for r in results] == expected
+    for handle, prompt in zip(handles, prompts):
+        steps = [n for rid, n in chunks if rid == handle.id]
+        assert steps == list(range(4, len(prompt), 4)) + [len(prompt)], steps
+
+
 def test_streamed_chunks_add_up_to_the_result(chain_scheduler):
     handle = chain_scheduler.submit(Request((1, 5, 2), max_tokens=20, temperature=0.0))
     chunks = list(handle)
@@ -350,6 +374,29 @@ def test_models_health_and_prometheus_metrics(server):
         assert name in families, name
     drafts = [s.value for s in families["specjax:spec_decode_num_drafts"].samples if s.name.endswith("_total")]
     assert drafts and drafts[0] > 0
+    # The stall estimate and the step's phase split (measured at start-up, as the server compiles).
+    by_label = lambda name, label: {s.labels[label]: s.value for s in families[name].samples}  # noqa: E731
+    utilization = by_label("specjax:step_utilization", "resource")
+    assert set(utilization) == {"flops", "bytes"} and all(0 < v < 10 for v in utilization.values()), utilization
+    phases = by_label("specjax:step_seconds", "phase")
+    assert {"prefill", "step", "draft", "verify"} <= set(phases)
+    assert phases["draft"] + phases["verify"] == pytest.approx(phases["step"])
+
+
+def test_the_work_model_counts_every_row_and_the_peaks_are_cached(target, drafter, tmp_path):
+    from specjax.decode.roofline import StepShape, measure_peaks, step_work
+
+    ar = StepShape(TINY, 1000, rows=4)
+    flops, bytes_read = step_work(ar, 1, 64)
+    per_token = 2 * TINY.num_params() + 4 * TINY.num_layers * TINY.num_heads * TINY.head_dim * 64
+    assert flops == 4 * per_token
+    assert bytes_read == 1000 + 4 * 64 * TINY.kv_bytes_per_token(4)
+    assert step_work(StepShape(TINY, 1000, rows=8), 1, 64)[0] == 2 * flops  # idle rows are computed too
+    chain = StepShape(TINY, 1000, 4, drafter.config, 500, TINY.vocab_size)
+    assert step_work(chain, 4, 64)[0] > 4 * flops and step_work(chain, 4, 64)[1] > bytes_read
+    first = measure_peaks(tmp_path, matmul=128, array_mib=4)
+    assert first.flops_per_s > 0 and first.bytes_per_s > 0
+    assert measure_peaks(tmp_path, matmul=128, array_mib=4) == first  # loaded, not measured again
 
 
 @pytest.mark.parametrize("body, message", [

@@ -251,6 +251,13 @@ class InsertRequest:
     seeds: jax.Array
     """[R] uint32: each request's sampling seed."""
     sampling: RowSampling
+    offsets: jax.Array | None = None
+    """[R] int32: prompt tokens of each row prefilled by earlier calls (chunked prefill), the chunk
+    being `prompts`; None: the prompts start here, in fresh rows."""
+    final: jax.Array | None = None
+    """[R] bool: the call holds each prompt's last tokens (None: every prompt ends here). A row whose
+    prompt goes on gets no first token and stays done, so steps pass it by, with its length at the
+    tokens prefilled so far (a step's writes there are overwritten by the next chunk)."""
 
 
 def _put_rows(whole, part, rows):
@@ -260,25 +267,47 @@ def _put_rows(whole, part, rows):
 
 @partial(jax.jit, static_argnames=("statics",), donate_argnames=("state",))
 def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, statics: SlotStatics) -> SlotState:
-    """Prefill R prompts and place them, with their first token, into their slots; others untouched."""
+    """Prefill R prompts (or the next chunk of each) and place them, with their first token once a
+    prompt is whole, into their slots; other slots are untouched."""
     count = request.rows.shape[0]
     dcfg = statics.drafter_config
     taps = () if dcfg is None else dcfg.target_layer_ids
-    logits, cache, features = prefill(parts.target, statics.target_config, request.prompts, request.prompt_lengths,
-                                      statics.slot.cache_length, hidden_layers=taps)
+    rows = request.rows
+    if request.offsets is None:
+        offsets = jnp.zeros((count,), jnp.int32)
+        logits, cache, features = prefill(parts.target, statics.target_config, request.prompts,
+                                          request.prompt_lengths, statics.slot.cache_length, hidden_layers=taps)
+        if dcfg is not None:
+            context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
+                                      request.prompt_lengths)
+    else:
+        if dcfg is not None and dcfg.window is not None:
+            raise SpecjaxError("chunked prefill needs a full-attention drafter context; prefill windowed "
+                               "drafters' prompts whole")
+        offsets = request.offsets
+        held = jnp.minimum(rows, statics.slot.slots - 1)  # padding entries read any row; their writes drop
+        row_cache = jax.tree.map(lambda c: c[held], state.target_cache)
+        positions = offsets[:, None] + jnp.arange(request.prompts.shape[1], dtype=jnp.int32)  # [R, C]
+        out = forward(parts.target, statics.target_config, request.prompts, positions, row_cache, offsets,
+                      hidden_layers=taps, logit_positions=(request.prompt_lengths - 1)[:, None],
+                      valid_lengths=request.prompt_lengths)
+        logits, cache, features = out.logits[:, 0], out.cache, out.hidden
+        if dcfg is not None:
+            context = append_context(parts.drafter, dcfg, jax.tree.map(lambda c: c[held], state.context_cache),
+                                     features, positions, offsets, offsets + request.prompt_lengths)
+    final = jnp.ones((count,), bool) if request.final is None else request.final
     keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))(request.seeds)  # [R, 2]
     keys, first_keys = split_row_keys(keys, 2)
     first = row_categorical(first_keys, row_processed_logits(logits, request.sampling))  # [R]
     limit = jnp.minimum(request.max_new_tokens, statics.slot.max_new_tokens)
-    rows = request.rows
     put = lambda whole, part: _put_rows(whole, part, rows)  # noqa: E731
     fresh = dict(
         tokens=put(state.tokens, jnp.zeros((count, state.tokens.shape[1]), jnp.int32).at[:, 0].set(first)),
-        num_generated=put(state.num_generated, jnp.ones((count,), jnp.int32)),
+        num_generated=put(state.num_generated, final.astype(jnp.int32)),
         max_new_tokens=put(state.max_new_tokens, limit),
         last_token=put(state.last_token, first),
-        lengths=put(state.lengths, request.prompt_lengths),
-        done=put(state.done, jnp.isin(first, _eos_array(statics.eos_token_ids)) | (limit <= 1)),
+        lengths=put(state.lengths, offsets + request.prompt_lengths),
+        done=put(state.done, ~final | jnp.isin(first, _eos_array(statics.eos_token_ids)) | (limit <= 1)),
         keys=put(state.keys, keys),
         sampling=put(state.sampling, request.sampling),
         steps=put(state.steps, jnp.zeros((count,), jnp.int32)),
@@ -287,8 +316,6 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         target_cache=put(state.target_cache, cache),
     )
     if dcfg is not None:
-        context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
-                                  request.prompt_lengths)
         fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
 
@@ -510,3 +537,36 @@ def step(parts: SlotParts, state: SlotState, *, method: str, statics: SlotStatic
     one_step = check_method(method, statics, parts).one_step
     return jax.lax.fori_loop(0, statics.slot.steps_per_sync,
                              lambda _, s: one_step(parts, s, statics, attend_slots), state)
+
+
+def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool, repeats: int = 3) -> dict:
+    """Median seconds of one draft pass, one refinement pass (refined methods only) and one verify
+    pass over a block per row, at this slot batch with every cache half full. A step is one fused
+    device call; these proportions are how its wall time is split between the phases."""
+    from specjax.decode.budget import median_seconds
+
+    tcfg, dcfg = statics.target_config, statics.drafter_config
+    rows, block = statics.slot.slots, dcfg.block_size
+    state = empty_slots(statics).replace(lengths=jnp.full((rows,), statics.slot.cache_length // 2, jnp.int32))
+
+    def draft(parts, state):
+        hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
+                                    state.context_cache)
+        return hidden, apply_head(hidden, parts.head)
+
+    def verify(parts, state):
+        tokens = jnp.zeros((rows, block), jnp.int32)
+        positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
+        return forward(parts.target, tcfg, tokens, positions, state.target_cache, state.lengths,
+                       hidden_layers=dcfg.target_layer_ids).logits
+
+    draft_fn, verify_fn = jax.jit(draft), jax.jit(verify)
+    out = {"draft": median_seconds(repeats, lambda: draft_fn(parts, state))}
+    if refined:
+        hidden, logits = draft_fn(parts, state)
+        index = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        one_pass = dataclasses.replace(statics, refine=RefineConfig(max_passes=1, adaptive=False))
+        refine_fn = jax.jit(lambda p, s, h, lg: _refine(p, s, one_pass, h, lg, index, s.keys, jnp.bool_(False)))
+        out["refine"] = median_seconds(repeats, lambda: refine_fn(parts, state, hidden, logits))
+    out["verify"] = median_seconds(repeats, lambda: verify_fn(parts, state))
+    return out

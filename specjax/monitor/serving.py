@@ -44,8 +44,18 @@ class ServingMetrics:
                               ["part"], registry=r)
         self.kv_bytes_per_token = Gauge("specjax:kv_cache_bytes_per_token", "Bytes one token occupies", ["part"],
                                         registry=r)
-        self.step_seconds = Gauge("specjax:step_seconds", "Wall seconds of the last device call", ["phase"],
+        self.step_seconds = Gauge("specjax:step_seconds",
+                                  "Wall seconds of the last device call: prefill, step, and the step's draft / refine "
+                                  "/ verify share (apportioned by phase costs measured at start-up)", ["phase"],
                                   registry=r)
+        self.achieved = Gauge("specjax:step_achieved_per_second",
+                              "The last step's modelled work over its wall time (resource: flops, bytes)",
+                              ["resource"], registry=r)
+        self.peak = Gauge("specjax:machine_peak_per_second", "The machine's measured peak (resource: flops, bytes)",
+                          ["resource"], registry=r)
+        self.utilization = Gauge("specjax:step_utilization",
+                                 "Achieved over peak: near 1 for bytes means memory-bound, for flops compute-bound; "
+                                 "low for both means overheads dominate", ["resource"], registry=r)
         self.current_method = Gauge("specjax:method_info", "The decoding method in use (value 1)", ["method"],
                                     registry=r)
         self.current_method.labels(method=method).set(1)
@@ -98,6 +108,15 @@ class ServingMetrics:
 
     def timing(self, phase: str, seconds: float) -> None:
         self.step_seconds.labels(phase=phase).set(seconds)
+
+    def roofline(self, flops_per_s: float, bytes_per_s: float, peak_flops_per_s: float,
+                 peak_bytes_per_s: float) -> None:
+        """The stall estimate of the last step: achieved FLOP/s and bytes/s against the peaks."""
+        for resource, achieved, peak in (("flops", flops_per_s, peak_flops_per_s),
+                                         ("bytes", bytes_per_s, peak_bytes_per_s)):
+            self.achieved.labels(resource=resource).set(achieved)
+            self.peak.labels(resource=resource).set(peak)
+            self.utilization.labels(resource=resource).set(achieved / peak if peak else 0.0)
 
     def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
         self.requests.labels(finished_reason=reason).inc()

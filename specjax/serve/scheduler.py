@@ -35,8 +35,10 @@ from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_k
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
-from specjax.io.registry import LoadedModel
+from specjax.io.registry import LoadedModel, cache_dir
+from specjax.models.cache import tree_bytes
 from specjax.decode.memory import target_kv_bytes
+from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
 
 log = logging.getLogger("specjax.serve")
@@ -65,10 +67,15 @@ class ServeConfig:
     this slot count and cache length (once per machine and model, then cached on disk)."""
     refine: RefineConfig = RefineConfig()
     """Refinement passes per block for the +refiner methods."""
+    prefill_chunk: int = 256
+    """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
+    slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
+    whole prompts."""
 
     def __post_init__(self):
         check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
                        steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue)
+        check_at_least(0, prefill_chunk=self.prefill_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +217,13 @@ class _Live:
     steps_reported: int = 0
     drafted_reported: int = 0
     reached_reported: np.ndarray | None = None
+    seed: int = 0
+    prefilled: int = 0
+    """Prompt tokens in the slot's cache so far (chunked prefill)."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.handle.request.prompt)
 
 
 class Scheduler:
@@ -251,6 +265,8 @@ class Scheduler:
         self.statics = dataclasses.replace(statics, target_config=model.config.with_kv_rings(self.step_slack))
         self.max_prompt = config.context_length - self.step_slack - 1
         self.prompt_buckets = self._buckets()
+        windowed = drafter is not None and drafter.config.window is not None
+        self.prefill_chunk = 0 if windowed or config.prefill_chunk >= self.max_prompt else config.prefill_chunk
         # Steps compiled per attention length: a batch of short contexts reads only what it needs.
         self.attend_buckets = tuple(sorted({min(128 * 2**i, cache_length) for i in range(16)
                                             if i == 0 or 128 * 2**(i - 1) < cache_length}))
@@ -264,6 +280,15 @@ class Scheduler:
             self.parts = self.parts.replace(tree_costs=self.latency.costs())
         slot_api.check_method(config.method, self.statics, self.parts)
         self.metrics = ServingMetrics(config.method, metrics_log)
+        self._work_shape = StepShape(
+            model.config, tree_bytes(model.params), config.slots,
+            None if drafter is None else drafter.config, 0 if drafter is None else tree_bytes(drafter.params),
+            0 if self.parts.head is None else self.parts.head.shape[1])
+        self.peaks = measure_peaks(cache_dir() / "peaks")
+        self.phase_seconds: dict[str, float] = {}  # measured at compile(); splits each step's time
+        # Each slot's verify steps and draft tokens at the last sync (0 after an insert resets its row).
+        self._synced_steps = np.zeros(config.slots, np.int64)
+        self._synced_drafted = np.zeros(config.slots, np.int64)
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
             from specjax.decode.memory import drafter_state_breakdown
@@ -291,7 +316,6 @@ class Scheduler:
     def _tree_latency(self, folder: Path | None) -> LatencyModel:
         """Verify costs at this slot count and cache length: from the on-disk cache, or measured now."""
         if folder is None:
-            from specjax.io.registry import cache_dir
             folder = cache_dir() / "latency"
         statics = self.statics
         key = tree_latency_key(self.model.name, statics.target_config, statics.slot.slots, statics.slot.cache_length,
@@ -319,8 +343,10 @@ class Scheduler:
     def _bucket_for(self, length: int) -> int:
         return next(b for b in self.prompt_buckets if b >= length)
 
-    def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p):
+    def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p, final=(True,),
+                        offsets=None):
         return slot_api.InsertRequest(
+            final=jnp.asarray(final, bool), offsets=None if offsets is None else jnp.asarray(offsets, jnp.int32),
             rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
             prompt_lengths=jnp.asarray(lengths, jnp.int32), max_new_tokens=jnp.asarray(max_new, jnp.int32),
             seeds=jnp.asarray(seeds, jnp.uint32),
@@ -338,6 +364,14 @@ class Scheduler:
             request = self._insert_request([self.config.slots], np.zeros((1, bucket)), [1], [1], [0], [0.0], [0], [1.0])
             self._compiled[bucket] = slot_api.insert.lower(self.parts, self._state, request,
                                                            statics=self.statics).compile()
+        if self.prefill_chunk:
+            request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
+                                           [0.0], [0], [1.0], offsets=[0])
+            self._compiled["extend"] = slot_api.insert.lower(self.parts, self._state, request,
+                                                             statics=self.statics).compile()
+        method = slot_api.slot_method(self.config.method)
+        if method.needs_drafter:
+            self.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics, method.needs_refiner)
         self.compile_seconds = time.perf_counter() - started
         print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step for "
               f"{len(self.attend_buckets)} attention lengths ({', '.join(map(str, self.attend_buckets))}) and "
@@ -423,13 +457,16 @@ class Scheduler:
             try:
                 self._drop_cancelled_waiting()
                 self._admit()
+                self._continue_prefills()
                 if not self._live:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
-                started = time.perf_counter()
-                self._state = self._compiled_step(self._attend_length())(self.parts, self._state)
-                self._collect(time.perf_counter() - started)
+                if all(live.prefilling for live in self._live.values()):
+                    continue
+                started, attend = time.perf_counter(), self._attend_length()
+                self._state = self._compiled_step(attend)(self.parts, self._state)
+                self._collect((started, attend))
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
                 self._fail_all(f"{type(error).__name__}: {error}")
@@ -470,44 +507,86 @@ class Scheduler:
                 handle, arrived = self._waiting.popleft()
             slot = free.pop(0)
             request = handle.request
-            bucket = self._bucket_for(len(request.prompt))
-            prompt = np.zeros((1, bucket), np.int32)
-            prompt[0, : len(request.prompt)] = request.prompt
             seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
-            insert = self._insert_request([slot], prompt, [len(request.prompt)], [request.max_tokens],
-                                          [seed % 2**32], [request.temperature], [request.top_k], [request.top_p])
-            started = time.perf_counter()
+            live = _Live(handle, arrived, admitted=0.0, seed=seed % 2**32,
+                         reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))
             try:
-                run = self._compiled.get(bucket) or (lambda *a: slot_api.insert(*a, statics=self.statics))
-                self._state = run(self.parts, self._state, insert)
+                self._prefill(slot, live)
             except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
                 log.exception("prefill failed")
                 self._finish_unstarted(handle, arrived, "error", f"{type(error).__name__}: {error}")
                 free.insert(0, slot)
                 continue
-            now = time.perf_counter()
-            self.metrics.timing("prefill", now - started)
-            self.metrics.admitted(now - arrived, len(request.prompt))
-            self._lengths[slot] = len(request.prompt)
-            self._live[slot] = _Live(handle, arrived, admitted=now,
-                                     reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))
+            live.admitted = time.perf_counter()
+            self.metrics.admitted(live.admitted - arrived, len(request.prompt))
+            self._synced_steps[slot] = self._synced_drafted[slot] = 0
+            self._live[slot] = live
             self.metrics.queue_depth(len(self._live), len(self._waiting))
             admitted = True
         # The first tokens came from the prefills: stream them now rather than after a step.
         if admitted:
             self._collect(None)
 
-    def _collect(self, step_seconds: float | None) -> None:
-        """One host sync: stream new tokens, finish rows that ended, report metrics."""
+    def _prefill(self, slot: int, live: _Live) -> None:
+        """Prefill the slot's prompt, whole, or its next chunk when it is longer than prefill_chunk."""
+        request = live.handle.request
+        prompt, start, chunk = request.prompt, live.prefilled, self.prefill_chunk
+        if start == 0:  # the whole prompt, or its first chunk, into a fresh row
+            take = prompt if not chunk or len(prompt) <= chunk else prompt[:chunk]
+            key = width = self._bucket_for(len(take))
+            offsets = None
+        else:  # the next chunk, after what the row holds
+            take, key, width, offsets = prompt[start: start + chunk], "extend", chunk, [start]
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(take)] = take
+        final = start + len(take) == len(prompt)
+        insert = self._insert_request([slot], tokens, [len(take)], [request.max_tokens], [live.seed],
+                                      [request.temperature], [request.top_k], [request.top_p], final=[final],
+                                      offsets=offsets)
+        started = time.perf_counter()
+        run = self._compiled.get(key) or (lambda *a: slot_api.insert(*a, statics=self.statics))
+        self._state = run(self.parts, self._state, insert)
+        jax.block_until_ready(self._state.lengths)  # so the prefill's time is its own
+        self.metrics.timing("prefill", time.perf_counter() - started)
+        live.prefilled = start + len(take)
+        self._lengths[slot] = live.prefilled
+
+    def _continue_prefills(self) -> None:
+        """The next chunk of every slot whose prompt is still being prefilled (one per turn, so the
+        slots that decode wait for at most one chunk per row between their steps)."""
+        completed = False
+        for slot, live in list(self._live.items()):
+            if not live.prefilling:
+                continue
+            now = time.perf_counter()
+            if live.handle.cancelled:
+                self._finish(slot, live, "cancelled", now, 0, np.zeros(self.statics.block, np.int64))
+                continue
+            try:
+                self._prefill(slot, live)
+            except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
+                log.exception("prefill failed")
+                self._finish(slot, live, "error", now, 0, np.zeros(self.statics.block, np.int64),
+                             error=f"{type(error).__name__}: {error}")
+                continue
+            completed = completed or not live.prefilling
+        if completed:
+            self._collect(None)
+
+    def _collect(self, step: tuple[float, int] | None) -> None:
+        """One host sync: stream new tokens, finish rows that ended, report metrics. step: (start
+        time, attention length) of the device call being synced, None after prefills alone."""
         state = self._state
         synced = jax.device_get(
             (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
              state.drafted))
         now = time.perf_counter()
-        if step_seconds is not None:
-            self.metrics.timing("step", step_seconds)
+        if step is not None:
+            self._report_step(now - step[0], step[1], synced[3], synced[6])
         self._lengths[:] = synced[5]
         for slot, live in list(self._live.items()):
+            if live.prefilling:
+                continue
             try:
                 self._sync_slot(slot, live, synced, now)
             except Exception as error:  # noqa: BLE001 - one request's failure (say, its detokenizing) is its own
@@ -593,6 +672,22 @@ class Scheduler:
                 "draft_tokens": live.drafted_reported,
             }
         return out
+
+    def _report_step(self, seconds: float, attend: int, steps, drafted) -> None:
+        """The device call's time, its estimated phase split, and its work against the machine's peaks."""
+        self.metrics.timing("step", seconds)
+        total = sum(self.phase_seconds.values())
+        for phase, cost in self.phase_seconds.items():
+            self.metrics.timing(phase, seconds * cost / total)
+        steps_done = int((steps - self._synced_steps).sum())
+        drafted_done = int((drafted - self._synced_drafted).sum())
+        self._synced_steps[:], self._synced_drafted[:] = steps, drafted
+        # Tokens each row verified per step (1 + drafts checked), from the rows that stepped.
+        verify_tokens = 1.0 + (drafted_done / steps_done if steps_done else self.statics.block - 1)
+        flops, bytes_read = step_work(self._work_shape, verify_tokens, attend)
+        calls = self.config.steps_per_sync
+        self.metrics.roofline(calls * flops / seconds, calls * bytes_read / seconds, self.peaks.flops_per_s,
+                              self.peaks.bytes_per_s)
 
     def _report_memory(self, lengths) -> None:
         used = {slot: int(lengths[slot]) for slot in self._live}
