@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving under load (issue 15): start `specjax serve` for one method, sweep request rates with
 # `specjax bench-serve` (held-out chat prompts, loopback only), hold 64 concurrent clients, and stop
-# the server with SIGTERM. Results go to $OUT (default runs/serve_load).
+# the server with SIGTERM; batch-1 AR is measured first on the same prompts, for the ratio. Results go to $OUT (default runs/serve_load).
 #
 #   bash experiments/serve_load.sh METHOD [RATES] [REQUESTS] [MAX_TOKENS] [SLOTS]
 #   bash experiments/serve_load.sh chain 0.1,0.3,1,3 12 64 8
@@ -15,6 +15,10 @@ OUT=${OUT:-runs/serve_load}
 PORT=${PORT:-8137}
 mkdir -p "$OUT"
 URL="http://127.0.0.1:$PORT"
+
+# Batch-1 AR on the same prompts and token count, in the same run: the baseline of the 5x goal.
+specjax bench --methods ar --max-new-tokens "$MAX_TOKENS" --json | tail -1 > "$OUT/batch1_ar.json"
+python -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch-1 AR:', round(r['methods']['ar']['tokens_per_s'], 1), 'tok/s')" "$OUT/batch1_ar.json"
 
 specjax serve --method "$METHOD" --slots "$SLOTS" --context-length 512 --max-new-tokens 256 --port "$PORT" \
   --metrics-log "$OUT/$METHOD.requests.jsonl" > "$OUT/$METHOD.server.log" 2>&1 &

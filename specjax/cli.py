@@ -126,8 +126,7 @@ def cmd_generate(args) -> int:
     ids, texts = _read_prompts(args)
     model = _load_target(args)
     prompts = _tokenize(ids, texts, args, model)
-    drafter = _drafter_for(args, model)
-    refiner = _refiner_for(args, model)
+    parts = _parts_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
     # Every method streams (speculative ones through the serving step), except multi-pass drafting.
@@ -143,7 +142,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    result = Engine(model, drafter, refiner=refiner).generate(
+    result = Engine(model, parts.drafter, refiner=parts.refiner).generate(
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
         refine=_refine_config(args), tree=_tree_config(args))
@@ -275,34 +274,15 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def _drafter_for(args, model):
-    """The drafter a speculative method needs (None for ar), checked against the target."""
-    from specjax.decode.engine import SPECULATIVE_METHODS
-    from specjax.io.dflash import check_pair
-    from specjax.io.registry import at_compute_dtype, resolve_drafter
+def _parts_for(args, model):
+    """The drafter and refiner the run's methods need (None where none does), resolved once."""
+    from specjax.decode.parts import PartsSpec, resolve_parts
 
     methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
-    if not any(m in SPECULATIVE_METHODS for m in methods):
-        return None
-    drafter = resolve_drafter(args.drafter, args.model)
-    check_pair(drafter, model.config, getattr(args, "block_size", None))
-    if getattr(args, "drafter_window", 0):
-        from specjax.io.compressor import windowed_drafter
-        from specjax.io.registry import resolve_compressor
-
-        drafter = windowed_drafter(drafter, resolve_compressor(args.compressor, args.model), args.drafter_window)
-    return at_compute_dtype(drafter, model.config.dtype)  # the pair computes at one precision
-
-
-def _refiner_for(args, model):
-    """The refiner a +refiner method needs (None otherwise); checked against its drafter by the Engine."""
-    from specjax.decode.engine import REFINED_METHODS
-    from specjax.io.registry import resolve_refiner
-
-    methods = args.methods.split(",") if hasattr(args, "methods") else [args.method]
-    if not any(m in REFINED_METHODS for m in methods):
-        return None
-    return resolve_refiner(args.refiner, args.model)
+    spec = PartsSpec(drafter=args.drafter, refiner=getattr(args, "refiner", "default"),
+                     compressor=getattr(args, "compressor", "default"),
+                     drafter_window=getattr(args, "drafter_window", 0), block_size=getattr(args, "block_size", None))
+    return resolve_parts([m.strip() for m in methods if m.strip()], model, args.model, spec)
 
 
 def _refine_config(args):
@@ -348,7 +328,8 @@ def cmd_bench(args) -> int:
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
-    engine = Engine(model, _drafter_for(args, model), refiner=_refiner_for(args, model))
+    parts = _parts_for(args, model)
+    engine = Engine(model, parts.drafter, refiner=parts.refiner)
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
                        repeats=args.repeats, progress=not args.json,
                        options={"chain+refiner": {"refine": _refine_config(args)},
@@ -412,13 +393,12 @@ def cmd_serve(args) -> int:
 
     _check_decode_args(args, [args.method])
     model = _load_target(args)
-    args.methods = args.method  # _drafter_for reads the method list
-    drafter = _drafter_for(args, model)
+    parts = _parts_for(args, model)
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
                          prefill_chunk=args.prefill_chunk)
-    scheduler = Scheduler(model, drafter, config, metrics_log=args.metrics_log, refiner=_refiner_for(args, model))
+    scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
     print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
