@@ -5,6 +5,7 @@
 #
 #   bash experiments/serve_load.sh METHOD [RATES] [REQUESTS] [MAX_TOKENS] [SLOTS]
 #   bash experiments/serve_load.sh chain 0.1,0.3,1,3 12 64 8
+#   SERVE_ARGS="--insert-rows 8" bash experiments/serve_load.sh ar 1,8 64 64 32
 set -euo pipefail
 METHOD=${1:-chain}
 RATES=${2:-0.1,0.3,1,3}
@@ -20,7 +21,8 @@ URL="http://127.0.0.1:$PORT"
 specjax bench --methods ar --max-new-tokens "$MAX_TOKENS" --json | tail -1 > "$OUT/batch1_ar.json"
 python -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch-1 AR:', round(r['methods']['ar']['tokens_per_s'], 1), 'tok/s')" "$OUT/batch1_ar.json"
 
-specjax serve --method "$METHOD" --slots "$SLOTS" --context-length 512 --max-new-tokens 256 --port "$PORT" \
+# shellcheck disable=SC2086  # SERVE_ARGS: extra serve options, word-split on purpose
+specjax serve --method "$METHOD" --slots "$SLOTS" --context-length 512 --max-new-tokens 256 --port "$PORT" ${SERVE_ARGS:-} \
   --metrics-log "$OUT/$METHOD.requests.jsonl" > "$OUT/$METHOD.server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT

@@ -397,7 +397,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
@@ -697,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")
     srv.add_argument("--steps-per-sync", type=int, default=4, help="verify steps per device call between host syncs")
     srv.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    srv.add_argument("--insert-rows", type=int, default=4, help="waiting requests prefilled together per device call")
     srv.add_argument("--prefill-chunk", type=int, default=256,
                      help="prefill longer prompts this many tokens per turn, between other slots' steps (0 = whole)")
     srv.add_argument("--host", default="127.0.0.1")

@@ -75,9 +75,9 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafte
     chunks: list[tuple[int, int]] = []  # (request id, tokens prefilled after the call)
     prefill = scheduler._prefill
 
-    def counted(slot, live):
-        prefill(slot, live)
-        chunks.append((live.handle.id, live.prefilled))
+    def counted(batch):
+        prefill(batch)
+        chunks.extend((live.handle.id, live.prefilled) for _, live in batch)
     monkeypatch.setattr(scheduler, "_prefill", counted)
     prompts = [[(7 * i + j) % TINY.vocab_size for j in range(n)] for i, n in enumerate((11, 3, 13, 9))]
     try:
@@ -90,6 +90,26 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafte
     for handle, prompt in zip(handles, prompts):
         steps = [n for rid, n in chunks if rid == handle.id]
         assert steps == list(range(4, len(prompt), 4)) + [len(prompt)], steps
+
+
+def test_waiting_requests_are_prefilled_together(target, drafter, monkeypatch):
+    """Three requests queued at once enter three free slots in one insert call, and each still
+    decodes exactly as it would alone."""
+    scheduler = Scheduler(target, drafter, _config("chain", slot_count=3, insert_rows=3), compile_now=False)
+    calls = []
+    prefill = scheduler._prefill
+    monkeypatch.setattr(scheduler, "_prefill", lambda batch: (calls.append(len(batch)), prefill(batch)))
+    admit = scheduler._admit
+    monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission while the queue fills
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=12, temperature=0.0)) for p in PROMPTS[:3]]
+        monkeypatch.setattr(scheduler, "_admit", admit)
+        scheduler._wake()
+        results = [h.result(timeout=120).token_ids for h in handles]
+    finally:
+        scheduler.shutdown()
+    assert calls == [3]
+    assert results == Engine(target, drafter).generate(PROMPTS[:3], 12, method="chain").tokens
 
 
 def test_streamed_chunks_add_up_to_the_result(chain_scheduler):
@@ -144,7 +164,7 @@ def test_every_method_serves_greedy_requests_exactly(target, drafter, method, tm
     assert spec["verify_steps"] >= 1 and 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["draft_tokens"] >= 1
 
 
-@pytest.mark.parametrize("method", [pytest.param("chain", marks=pytest.mark.slow), "tree+refiner"])
+@pytest.mark.parametrize("method", ["chain", pytest.param("tree+refiner", marks=pytest.mark.slow)])
 def test_every_method_streams_through_the_slot_step(target, drafter, method, tmp_path):
     """Engine.generate with on_tokens drives the serving step: chunks grow, each a prefix of the
     final output, which is the non-streamed output."""

@@ -67,6 +67,8 @@ class ServeConfig:
     this slot count and cache length (once per machine and model, then cached on disk)."""
     refine: RefineConfig = RefineConfig()
     """Refinement passes per block for the +refiner methods."""
+    insert_rows: int = 4
+    """Waiting requests prefilled together in one device call (a fixed shape: fewer are padded)."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
@@ -74,7 +76,8 @@ class ServeConfig:
 
     def __post_init__(self):
         check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
-                       steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue)
+                       steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue,
+                       insert_rows=self.insert_rows)
         check_at_least(0, prefill_chunk=self.prefill_chunk)
 
 
@@ -250,7 +253,9 @@ class Scheduler:
         self.model, self.drafter, self.refiner, self.config = model, drafter, refiner, config
         cache_length = -(-config.context_length // 64) * 64
         slot_config = slot_api.SlotConfig(slots=config.slots, cache_length=cache_length,
-                                          max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync)
+                                          max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync,
+                                          insert_rows=min(config.insert_rows, config.slots))
+        self.insert_rows = slot_config.insert_rows
         statics = slot_api.SlotStatics(
             target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
             drafter_config=None if drafter is None else drafter.config,
@@ -360,8 +365,10 @@ class Scheduler:
             self._compiled["step", length] = slot_api.step.lower(
                 self.parts, self._state, method=self.config.method, statics=self.statics,
                 attend_slots=length).compile()
+        rows = self.insert_rows
         for bucket in self.prompt_buckets:
-            request = self._insert_request([self.config.slots], np.zeros((1, bucket)), [1], [1], [0], [0.0], [0], [1.0])
+            request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows, [1] * rows,
+                                           [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows, final=[True] * rows)
             self._compiled[bucket] = slot_api.insert.lower(self.parts, self._state, request,
                                                            statics=self.statics).compile()
         if self.prefill_chunk:
@@ -498,58 +505,76 @@ class Scheduler:
         self.metrics.finished(reason, e2e)
 
     def _admit(self) -> None:
+        """Prefill waiting requests into free slots, up to insert_rows of them per device call."""
         free = [s for s in range(self.config.slots) if s not in self._live]
         admitted = False
         while free:
+            batch: list[tuple[int, _Live]] = []
             with self._lock:
-                if not self._waiting:
-                    break
-                handle, arrived = self._waiting.popleft()
-            slot = free.pop(0)
-            request = handle.request
-            seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
-            live = _Live(handle, arrived, admitted=0.0, seed=seed % 2**32,
-                         reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))
+                while self._waiting and len(batch) < min(len(free), self.insert_rows):
+                    handle, arrived = self._waiting.popleft()
+                    request = handle.request
+                    seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
+                    batch.append((free[len(batch)], _Live(handle, arrived, admitted=0.0, seed=seed % 2**32,
+                                  reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))))
+            if not batch:
+                break
             try:
-                self._prefill(slot, live)
-            except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
+                self._prefill(batch)
+            except Exception as error:  # noqa: BLE001 - a failed prefill fails the requests in it only
                 log.exception("prefill failed")
-                self._finish_unstarted(handle, arrived, "error", f"{type(error).__name__}: {error}")
-                free.insert(0, slot)
+                for _, live in batch:
+                    self._finish_unstarted(live.handle, live.arrived, "error", f"{type(error).__name__}: {error}")
                 continue
-            live.admitted = time.perf_counter()
-            self.metrics.admitted(live.admitted - arrived, len(request.prompt))
-            self._synced_steps[slot] = self._synced_drafted[slot] = 0
-            self._live[slot] = live
+            now = time.perf_counter()
+            for slot, live in batch:
+                free.remove(slot)
+                live.admitted = now
+                self.metrics.admitted(now - live.arrived, len(live.handle.request.prompt))
+                self._synced_steps[slot] = self._synced_drafted[slot] = 0
+                self._live[slot] = live
             self.metrics.queue_depth(len(self._live), len(self._waiting))
             admitted = True
         # The first tokens came from the prefills: stream them now rather than after a step.
         if admitted:
             self._collect(None)
 
-    def _prefill(self, slot: int, live: _Live) -> None:
-        """Prefill the slot's prompt, whole, or its next chunk when it is longer than prefill_chunk."""
-        request = live.handle.request
-        prompt, start, chunk = request.prompt, live.prefilled, self.prefill_chunk
-        if start == 0:  # the whole prompt, or its first chunk, into a fresh row
-            take = prompt if not chunk or len(prompt) <= chunk else prompt[:chunk]
-            key = width = self._bucket_for(len(take))
-            offsets = None
-        else:  # the next chunk, after what the row holds
-            take, key, width, offsets = prompt[start: start + chunk], "extend", chunk, [start]
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, : len(take)] = take
-        final = start + len(take) == len(prompt)
-        insert = self._insert_request([slot], tokens, [len(take)], [request.max_tokens], [live.seed],
-                                      [request.temperature], [request.top_k], [request.top_p], final=[final],
-                                      offsets=offsets)
+    def _prefill(self, batch: list[tuple[int, _Live]]) -> None:
+        """One insert call: fresh rows get their whole prompt (or its first chunk, when longer than
+        prefill_chunk), up to insert_rows of them; a row already holding part of its prompt gets its
+        next chunk (one row per call)."""
+        chunk = self.prefill_chunk
+        starts = [live.prefilled for _, live in batch]
+        if any(starts):  # the next chunk, after what the row holds
+            if len(batch) != 1:
+                raise RuntimeError("continued prompt chunks are prefilled one row per call")
+            prompt = batch[0][1].handle.request.prompt
+            takes, key, width, offsets, rows = [prompt[starts[0]: starts[0] + chunk]], "extend", chunk, starts, 1
+        else:  # whole prompts, or first chunks, into fresh rows, padded to the insert_rows shape
+            takes = [live.handle.request.prompt for _, live in batch]
+            takes = [p if not chunk or len(p) <= chunk else p[:chunk] for p in takes]
+            key = width = max(self._bucket_for(len(t)) for t in takes)
+            offsets, rows = None, self.insert_rows
+        tokens = np.zeros((rows, width), np.int32)
+        requests = [live.handle.request for _, live in batch]
+        pad = rows - len(batch)
+        for i, take in enumerate(takes):
+            tokens[i, : len(take)] = take
+        insert = self._insert_request(
+            [slot for slot, _ in batch] + [self.config.slots] * pad, tokens, [len(t) for t in takes] + [1] * pad,
+            [r.max_tokens for r in requests] + [1] * pad, [live.seed for _, live in batch] + [0] * pad,
+            [r.temperature for r in requests] + [0.0] * pad, [r.top_k for r in requests] + [0] * pad,
+            [r.top_p for r in requests] + [1.0] * pad,
+            final=[start + len(t) == len(r.prompt) for start, t, r in zip(starts, takes, requests)] + [True] * pad,
+            offsets=offsets)
         started = time.perf_counter()
         run = self._compiled.get(key) or (lambda *a: slot_api.insert(*a, statics=self.statics))
         self._state = run(self.parts, self._state, insert)
         jax.block_until_ready(self._state.lengths)  # so the prefill's time is its own
         self.metrics.timing("prefill", time.perf_counter() - started)
-        live.prefilled = start + len(take)
-        self._lengths[slot] = live.prefilled
+        for (slot, live), start, take in zip(batch, starts, takes):
+            live.prefilled = start + len(take)
+            self._lengths[slot] = live.prefilled
 
     def _continue_prefills(self) -> None:
         """The next chunk of every slot whose prompt is still being prefilled (one per turn, so the
@@ -563,7 +588,7 @@ class Scheduler:
                 self._finish(slot, live, "cancelled", now, 0, np.zeros(self.statics.block, np.int64))
                 continue
             try:
-                self._prefill(slot, live)
+                self._prefill([(slot, live)])
             except Exception as error:  # noqa: BLE001 - one bad prefill fails its own request only
                 log.exception("prefill failed")
                 self._finish(slot, live, "error", now, 0, np.zeros(self.statics.block, np.int64),
