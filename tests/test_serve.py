@@ -112,6 +112,29 @@ def test_waiting_requests_are_prefilled_together(target, drafter, monkeypatch):
     assert results == Engine(target, drafter).generate(PROMPTS[:3], 12, method="chain").tokens
 
 
+def test_steps_compute_only_the_rows_in_use_after_packing_them(target, drafter, monkeypatch):
+    """With 4 slots and row buckets (1, 4): while three requests run, steps compute 4 rows; once the
+    two short ones end, the long one moves to slot 0 and steps compute 1 row. Outputs stay generate's."""
+    scheduler = Scheduler(target, drafter, _config("chain", slot_count=4, row_buckets=(1,)), compile_now=False)
+    assert scheduler.row_buckets == (1, 4)
+    stepped, moved = [], []
+    compiled_step, move_row = scheduler._compiled_step, slots.move_row
+    monkeypatch.setattr(scheduler, "_compiled_step", lambda length, rows: (stepped.append(rows),
+                                                                           compiled_step(length, rows))[1])
+    monkeypatch.setattr(slots, "move_row", lambda state, source, target: (moved.append((source, target)),
+                                                                          move_row(state, source, target))[1])
+    prompts, limits = PROMPTS[:3], [3, 24, 2]  # the long request sits in slot 1, between two short ones
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(prompts, limits)]
+        results = [h.result(timeout=120).token_ids for h in handles]
+    finally:
+        scheduler.shutdown()
+    assert stepped[0] == 4 and stepped[-1] == 1, stepped
+    assert moved == [(1, 0)]
+    expected = Engine(target, drafter).generate(prompts, max(limits), method="chain").tokens
+    assert results == [whole[:n] for whole, n in zip(expected, limits)]
+
+
 def test_streamed_chunks_add_up_to_the_result(chain_scheduler):
     handle = chain_scheduler.submit(Request((1, 5, 2), max_tokens=20, temperature=0.0))
     chunks = list(handle)
@@ -511,6 +534,9 @@ def test_the_dashboard_reads_the_metrics_it_is_given():
         metrics.first_token(seconds)
     metrics.memory(0.25, {"target": 3 * 2**20}, {"target": 4096})
     metrics.queue_depth(running=2, waiting=5)
+    metrics.timing("step", 0.5)
+    metrics.timing("verify", 0.4)
+    metrics.roofline(1e9, 8e9, 1e11, 1e10)  # 1% of peak FLOP/s, 80% of peak bytes/s
     view = summarize(parse_metrics(metrics.prometheus_text()), None)
     assert view["tau_overall"] == pytest.approx(2.0)
     assert view["per_position"] == pytest.approx([0.6, 0.3, 0.1])
@@ -521,6 +547,7 @@ def test_the_dashboard_reads_the_metrics_it_is_given():
     console.print(render(view, "http://127.0.0.1:1"))
     screen = console.export_text()
     assert "2.00 overall" in screen and "running 2" in screen and "waiting 5" in screen and "chain" in screen
+    assert "verify 400 ms" in screen and "80% of peak bytes/s" in screen and "memory-bound" in screen
 
 
 def test_specjax_top_in_tmux_shows_the_servers_numbers(server, tmp_path):

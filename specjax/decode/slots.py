@@ -526,17 +526,29 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
     return method
 
 
-@partial(jax.jit, static_argnames=("method", "statics", "attend_slots"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("method", "statics", "attend_slots", "rows"), donate_argnames=("state",))
 def step(parts: SlotParts, state: SlotState, *, method: str, statics: SlotStatics,
-         attend_slots: int | None = None) -> SlotState:
+         attend_slots: int | None = None, rows: int | None = None) -> SlotState:
     """steps_per_sync verify steps for every live slot, in one device call.
 
     attend_slots (static): the target attends to the first attend_slots cache slots only. The caller
     guarantees every live row's length + steps_per_sync * statics.step_writes fits in it; one
-    compiled step per bucket of it lets short contexts skip reading the rest of the cache."""
+    compiled step per bucket of it lets short contexts skip reading the rest of the cache.
+    rows (static): step only the first `rows` slots, where the caller keeps every live row
+    (`move_row` packs them); the rest are not computed. None: every slot."""
     one_step = check_method(method, statics, parts).one_step
-    return jax.lax.fori_loop(0, statics.slot.steps_per_sync,
-                             lambda _, s: one_step(parts, s, statics, attend_slots), state)
+    run = lambda s: jax.lax.fori_loop(0, statics.slot.steps_per_sync,  # noqa: E731
+                                      lambda _, x: one_step(parts, x, statics, attend_slots), s)
+    if rows is None or rows >= statics.slot.slots:
+        return run(state)
+    stepped = run(jax.tree.map(lambda whole: whole[:rows], state))
+    return jax.tree.map(lambda whole, part: whole.at[:rows].set(part), state, stepped)
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def move_row(state: SlotState, source, target) -> SlotState:
+    """Copy slot `source`'s whole state (caches included) to slot `target`; source is then free."""
+    return jax.tree.map(lambda whole: whole.at[target].set(whole[source]), state)
 
 
 def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool, repeats: int = 3) -> dict:

@@ -68,7 +68,13 @@ class ServeConfig:
     refine: RefineConfig = RefineConfig()
     """Refinement passes per block for the +refiner methods."""
     insert_rows: int = 4
-    """Waiting requests prefilled together in one device call (a fixed shape: fewer are padded)."""
+    """Most waiting requests prefilled together in one device call. Inserts are compiled for 1 row
+    and for this many (fewer requests than that are padded to it)."""
+    row_buckets: tuple[int, ...] | None = None
+    """Live-row counts the step is compiled for: with fewer live requests, only that many slots are
+    computed (live rows are kept packed in the lowest slots). None: every fourth power of two below
+    `slots` (1, 4, 16, ...) and `slots` itself. Each bucket adds a compiled step per attention
+    length."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
@@ -256,6 +262,9 @@ class Scheduler:
                                           max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync,
                                           insert_rows=min(config.insert_rows, config.slots))
         self.insert_rows = slot_config.insert_rows
+        self.insert_sizes = tuple(sorted({1, self.insert_rows}))
+        buckets = config.row_buckets or tuple(4**i for i in range(8) if 4**i < config.slots)
+        self.row_buckets = tuple(sorted({b for b in buckets if 1 <= b < config.slots} | {config.slots}))
         statics = slot_api.SlotStatics(
             target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
             drafter_config=None if drafter is None else drafter.config,
@@ -362,15 +371,17 @@ class Scheduler:
         """Compile the step and one insert per prompt bucket now, so no request waits for XLA."""
         started = time.perf_counter()
         for length in self.attend_buckets:
-            self._compiled["step", length] = slot_api.step.lower(
-                self.parts, self._state, method=self.config.method, statics=self.statics,
-                attend_slots=length).compile()
-        rows = self.insert_rows
-        for bucket in self.prompt_buckets:
-            request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows, [1] * rows,
-                                           [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows, final=[True] * rows)
-            self._compiled[bucket] = slot_api.insert.lower(self.parts, self._state, request,
-                                                           statics=self.statics).compile()
+            for rows in self.row_buckets:
+                self._compiled["step", length, rows] = slot_api.step.lower(
+                    self.parts, self._state, method=self.config.method, statics=self.statics,
+                    attend_slots=length, rows=rows).compile()
+        for rows in self.insert_sizes:
+            for bucket in self.prompt_buckets:
+                request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
+                                               [1] * rows, [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows,
+                                               final=[True] * rows)
+                self._compiled[bucket, rows] = slot_api.insert.lower(self.parts, self._state, request,
+                                                                     statics=self.statics).compile()
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
@@ -471,9 +482,10 @@ class Scheduler:
                     continue
                 if all(live.prefilling for live in self._live.values()):
                     continue
-                started, attend = time.perf_counter(), self._attend_length()
-                self._state = self._compiled_step(attend)(self.parts, self._state)
-                self._collect((started, attend))
+                self._pack()
+                started, attend, rows = time.perf_counter(), self._attend_length(), self._step_rows()
+                self._state = self._compiled_step(attend, rows)(self.parts, self._state)
+                self._collect((started, attend, rows))
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
                 self._fail_all(f"{type(error).__name__}: {error}")
@@ -485,9 +497,30 @@ class Scheduler:
         need = longest + self.config.steps_per_sync * self.step_slack + 1
         return next((b for b in self.attend_buckets if b >= need), self.attend_buckets[-1])
 
-    def _compiled_step(self, length: int):
-        return self._compiled.get(("step", length)) or (
-            lambda *a: slot_api.step(*a, method=self.config.method, statics=self.statics, attend_slots=length))
+    def _step_rows(self) -> int:
+        """The smallest compiled row count that covers every live slot."""
+        highest = max(self._live) + 1
+        return next(b for b in self.row_buckets if b >= highest)
+
+    def _pack(self) -> None:
+        """Move the highest live rows into free lower slots, so a step over the first rows covers
+        them all (a row's whole state moves, so its request goes on unchanged)."""
+        while self._live:
+            highest = max(self._live)
+            free = [s for s in range(highest) if s not in self._live]
+            # Only when it lets the step compute fewer rows: moving costs a copy of the row's caches.
+            if not free or next(b for b in self.row_buckets if b > len(self._live) - 1) >= highest + 1:
+                return
+            target = free[0]
+            self._state = slot_api.move_row(self._state, highest, target)
+            self._live[target] = self._live.pop(highest)
+            for per_slot in (self._lengths, self._synced_steps, self._synced_drafted):
+                per_slot[target] = per_slot[highest]
+
+    def _compiled_step(self, length: int, rows: int):
+        return self._compiled.get(("step", length, rows)) or (
+            lambda *a: slot_api.step(*a, method=self.config.method, statics=self.statics, attend_slots=length,
+                                     rows=rows))
 
     def _drop_cancelled_waiting(self) -> None:
         with self._lock:
@@ -550,11 +583,12 @@ class Scheduler:
                 raise RuntimeError("continued prompt chunks are prefilled one row per call")
             prompt = batch[0][1].handle.request.prompt
             takes, key, width, offsets, rows = [prompt[starts[0]: starts[0] + chunk]], "extend", chunk, starts, 1
-        else:  # whole prompts, or first chunks, into fresh rows, padded to the insert_rows shape
+        else:  # whole prompts, or first chunks, into fresh rows, padded to a compiled row count
             takes = [live.handle.request.prompt for _, live in batch]
             takes = [p if not chunk or len(p) <= chunk else p[:chunk] for p in takes]
-            key = width = max(self._bucket_for(len(t)) for t in takes)
-            offsets, rows = None, self.insert_rows
+            width = max(self._bucket_for(len(t)) for t in takes)
+            rows = next(size for size in self.insert_sizes if size >= len(batch))
+            key, offsets = (width, rows), None
         tokens = np.zeros((rows, width), np.int32)
         requests = [live.handle.request for _, live in batch]
         pad = rows - len(batch)
@@ -598,16 +632,16 @@ class Scheduler:
         if completed:
             self._collect(None)
 
-    def _collect(self, step: tuple[float, int] | None) -> None:
+    def _collect(self, step: tuple[float, int, int] | None) -> None:
         """One host sync: stream new tokens, finish rows that ended, report metrics. step: (start
-        time, attention length) of the device call being synced, None after prefills alone."""
+        time, attention length, rows) of the device call being synced, None after prefills alone."""
         state = self._state
         synced = jax.device_get(
             (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
              state.drafted))
         now = time.perf_counter()
         if step is not None:
-            self._report_step(now - step[0], step[1], synced[3], synced[6])
+            self._report_step(now - step[0], step[1], step[2], synced[3], synced[6])
         self._lengths[:] = synced[5]
         for slot, live in list(self._live.items()):
             if live.prefilling:
@@ -698,7 +732,7 @@ class Scheduler:
             }
         return out
 
-    def _report_step(self, seconds: float, attend: int, steps, drafted) -> None:
+    def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
         self.metrics.timing("step", seconds)
         total = sum(self.phase_seconds.values())
@@ -709,7 +743,7 @@ class Scheduler:
         self._synced_steps[:], self._synced_drafted[:] = steps, drafted
         # Tokens each row verified per step (1 + drafts checked), from the rows that stepped.
         verify_tokens = 1.0 + (drafted_done / steps_done if steps_done else self.statics.block - 1)
-        flops, bytes_read = step_work(self._work_shape, verify_tokens, attend)
+        flops, bytes_read = step_work(dataclasses.replace(self._work_shape, rows=rows), verify_tokens, attend)
         calls = self.config.steps_per_sync
         self.metrics.roofline(calls * flops / seconds, calls * bytes_read / seconds, self.peaks.flops_per_s,
                               self.peaks.bytes_per_s)

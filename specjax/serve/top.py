@@ -2,7 +2,8 @@
 
 It shows what an operator watches under load: tau (mean acceptance length) over the last interval
 and overall, per-position acceptance as bars, KV memory, TTFT and inter-token latency percentiles
-(estimated from the Prometheus histograms), output throughput and the queue.
+(estimated from the Prometheus histograms), output throughput, the queue, the step's time and its
+draft/refine/verify split, and the stall estimate (achieved bytes/s and FLOP/s against the peaks).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         "ttft": {q: histogram_quantile(new.histograms.get("time_to_first_token_seconds", []), q) for q in (.5, .9, .99)},
         "itl": {q: histogram_quantile(new.histograms.get("inter_token_latency_seconds", []), q) for q in (.5, .9, .99)},
         "step_s": new.gauges.get("step_seconds:step"),
+        "phases": {phase: new.gauges[f"step_seconds:{phase}"] for phase in ("draft", "refine", "verify")
+                   if f"step_seconds:{phase}" in new.gauges},
+        "utilization": {resource: new.gauges.get(f"step_utilization:{resource}") for resource in ("bytes", "flops")},
     }
 
 
@@ -116,7 +120,15 @@ def render(view: dict, url: str):
     head.add_row(f"[b]running[/b] {view['running']:.0f}  [b]waiting[/b] {view['waiting']:.0f}",
                  f"[b]KV in use[/b] {view['kv_usage'] * 100:.1f}% "
                  + " ".join(f"{part} {value / 2**20:.1f} MiB" for part, value in view["kv_bytes"].items()),
-                 f"[b]step[/b] {_fmt_s(view['step_s'])}")
+                 f"[b]step[/b] {_fmt_s(view['step_s'])}"
+                 + "".join(f" {phase} {_fmt_s(value)}" for phase, value in view.get("phases", {}).items()))
+    use = view.get("utilization", {})
+    if use.get("bytes") is not None:
+        share = lambda v: f"{v * 100:.0f}%"  # noqa: E731
+        bound = "memory-bound" if use["bytes"] > max(0.5, use["flops"] or 0) else (
+            "compute-bound" if (use["flops"] or 0) > 0.5 else "neither near peak: overheads")
+        head.add_row(f"[b]stall[/b] {share(use['bytes'])} of peak bytes/s, {share(use['flops'] or 0)} of peak FLOP/s",
+                     bound, "")
     latency = Table(title="latency", expand=False)
     for column in ("", "p50", "p90", "p99"):
         latency.add_column(column, justify="right")
