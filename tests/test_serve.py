@@ -69,9 +69,10 @@ def test_greedy_requests_through_slots_equal_generate(target, drafter, chain_sch
 
 
 def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafter, monkeypatch):
-    """With prefill_chunk 4, prompts of up to 13 tokens enter their slots 4 tokens per scheduler turn
-    while the other slot decodes, and every greedy output is still generate's."""
-    scheduler = Scheduler(target, drafter, _config("chain", prefill_chunk=4), compile_now=False)
+    """With prefill_chunk 24, prompts longer than 24 tokens enter their slots a chunk per scheduler
+    turn while the other slot decodes, and every greedy output is still generate's. The 50-token
+    prompt nearly fills the 64-slot cache: a padded last chunk at offset 48 would run off its end."""
+    scheduler = Scheduler(target, drafter, _config("chain", prefill_chunk=24), compile_now=False)
     chunks: list[tuple[int, int]] = []  # (request id, tokens prefilled after the call)
     prefill = scheduler._prefill
 
@@ -79,17 +80,18 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafte
         prefill(batch)
         chunks.extend((live.handle.id, live.prefilled) for _, live in batch)
     monkeypatch.setattr(scheduler, "_prefill", counted)
-    prompts = [[(7 * i + j) % TINY.vocab_size for j in range(n)] for i, n in enumerate((11, 3, 13, 9))]
+    prompts = [[(7 * i + j) % TINY.vocab_size for j in range(n)] for i, n in enumerate((11, 50, 3, 30))]
     try:
-        handles = [scheduler.submit(Request(tuple(p), max_tokens=16, temperature=0.0)) for p in prompts]
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=8, temperature=0.0)) for p in prompts]
         results = [h.result(timeout=120) for h in handles]
     finally:
         scheduler.shutdown()
-    expected = Engine(target, drafter).generate(prompts, 16, method="chain").tokens
+    expected = Engine(target, drafter).generate(prompts, 8, method="chain").tokens
     assert [r.token_ids for r in results] == expected
     for handle, prompt in zip(handles, prompts):
         steps = [n for rid, n in chunks if rid == handle.id]
-        assert steps == list(range(4, len(prompt), 4)) + [len(prompt)], steps
+        # The first chunk is the remainder, then whole chunks of 24 up to the prompt's end.
+        assert steps == list(range(len(prompt) % 24 or 24, len(prompt) + 1, 24)), steps
 
 
 def test_waiting_requests_are_prefilled_together(target, drafter, monkeypatch):

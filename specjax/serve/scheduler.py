@@ -575,7 +575,11 @@ class Scheduler:
     def _prefill(self, batch: list[tuple[int, _Live]]) -> None:
         """One insert call: fresh rows get their whole prompt (or its first chunk, when longer than
         prefill_chunk), up to insert_rows of them; a row already holding part of its prompt gets its
-        next chunk (one row per call)."""
+        next chunk (one row per call).
+
+        A chunked prompt's first chunk is the remainder (len mod chunk, or a whole chunk), so every
+        later chunk is exactly prefill_chunk real tokens ending at most at the prompt's end: no
+        padding is written past the prompt, where a padded chunk could run off the cache."""
         chunk = self.prefill_chunk
         starts = [live.prefilled for _, live in batch]
         if any(starts):  # the next chunk, after what the row holds
@@ -585,7 +589,7 @@ class Scheduler:
             takes, key, width, offsets, rows = [prompt[starts[0]: starts[0] + chunk]], "extend", chunk, starts, 1
         else:  # whole prompts, or first chunks, into fresh rows, padded to a compiled row count
             takes = [live.handle.request.prompt for _, live in batch]
-            takes = [p if not chunk or len(p) <= chunk else p[:chunk] for p in takes]
+            takes = [p if not chunk or len(p) <= chunk else p[: len(p) % chunk or chunk] for p in takes]
             width = max(self._bucket_for(len(t)) for t in takes)
             rows = next(size for size in self.insert_sizes if size >= len(batch))
             key, offsets = (width, rows), None
