@@ -94,6 +94,25 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafte
         assert steps == list(range(len(prompt) % 24 or 24, len(prompt) + 1, 24)), steps
 
 
+def test_a_windowed_drafter_serves_exactly(target, drafter):
+    """Windowed chain through the slots (bounded drafter state: ring, pending segment, summaries),
+    with prompts long enough to finish segments at prefill and while decoding; prompts are prefilled
+    whole (chunking is off for windowed drafters)."""
+    from specjax.models.drafter import DrafterWindow
+    from test_windowed_drafter import with_random_compressor
+
+    windowed = with_random_compressor(drafter, DrafterWindow(window=5, segment=4, summaries=2))
+    scheduler = Scheduler(target, windowed, _config("chain", prefill_chunk=4), compile_now=False)
+    assert scheduler.prefill_chunk == 0
+    prompts = [[1, 5, 2, 7, 7, 1, 9, 4, 2, 2, 6], [3, 4], [8, 1, 1, 2, 9, 9, 3]]
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=20, temperature=0.0)) for p in prompts]
+        results = [h.result(timeout=120).token_ids for h in handles]
+    finally:
+        scheduler.shutdown()
+    assert results == Engine(target).generate(prompts, 20).tokens
+
+
 def test_waiting_requests_are_prefilled_together(target, drafter, monkeypatch):
     """Three requests queued at once enter three free slots in one insert call, and each still
     decodes exactly as it would alone."""
