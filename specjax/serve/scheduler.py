@@ -299,7 +299,7 @@ class Scheduler:
             None if drafter is None else drafter.config, 0 if drafter is None else tree_bytes(drafter.params),
             0 if self.parts.head is None else self.parts.head.shape[1])
         self.peaks = measure_peaks(cache_dir() / "peaks")
-        self.phase_seconds: dict[str, float] = {}  # measured at compile(); splits each step's time
+        self.phase_seconds: dict[str, float] = {}  # chains: measured at compile(); splits each step's time
         # Each slot's verify steps and draft tokens at the last sync (0 after an insert resets its row).
         self._synced_steps = np.zeros(config.slots, np.int64)
         self._synced_drafted = np.zeros(config.slots, np.int64)
@@ -388,7 +388,7 @@ class Scheduler:
             self._compiled["extend"] = slot_api.insert.lower(self.parts, self._state, request,
                                                              statics=self.statics).compile()
         method = slot_api.slot_method(self.config.method)
-        if method.needs_drafter:
+        if method.needs_drafter and self.latency is None:  # trees split by their latency model
             self.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics, method.needs_refiner)
         self.compile_seconds = time.perf_counter() - started
         print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step for "
@@ -739,14 +739,18 @@ class Scheduler:
     def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
         self.metrics.timing("step", seconds)
-        total = sum(self.phase_seconds.values())
-        for phase, cost in self.phase_seconds.items():
-            self.metrics.timing(phase, seconds * cost / total)
         steps_done = int((steps - self._synced_steps).sum())
         drafted_done = int((drafted - self._synced_drafted).sum())
         self._synced_steps[:], self._synced_drafted[:] = steps, drafted
         # Tokens each row verified per step (1 + drafts checked), from the rows that stepped.
         verify_tokens = 1.0 + (drafted_done / steps_done if steps_done else self.statics.block - 1)
+        phases = self.phase_seconds
+        if self.latency is not None:  # trees: the latency model's drafting cost and verify cost at this size
+            phases = {"draft": self.latency.fixed_s,
+                      "verify": float(np.interp(verify_tokens, self.latency.sizes, self.latency.verify_s))}
+        total = sum(phases.values())
+        for phase, cost in phases.items():
+            self.metrics.timing(phase, seconds * cost / total)
         flops, bytes_read = step_work(dataclasses.replace(self._work_shape, rows=rows), verify_tokens, attend)
         calls = self.config.steps_per_sync
         self.metrics.roofline(calls * flops / seconds, calls * bytes_read / seconds, self.peaks.flops_per_s,
