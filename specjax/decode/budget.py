@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import jax
@@ -70,8 +71,6 @@ def chosen_tree_size(log_prob, valid, live, costs: TreeCosts, max_nodes: int):
 
 def median_seconds(repeats: int, fn) -> float:
     """Median wall time of fn() over `repeats` calls, after one untimed call (compile, warm-up)."""
-    import time
-
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):

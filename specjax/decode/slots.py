@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decode.autoregressive import _eos_array, prefill
-from specjax.decode.budget import TreeCosts, chosen_tree_size
+from specjax.decode.budget import TreeCosts, chosen_tree_size, median_seconds
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig
@@ -555,8 +555,6 @@ def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool,
     """Median seconds of one draft pass, one refinement pass (refined methods only) and one verify
     pass over a block per row, at this slot batch with every cache half full. A step is one fused
     device call; these proportions are how its wall time is split between the phases."""
-    from specjax.decode.budget import median_seconds
-
     tcfg, dcfg = statics.target_config, statics.drafter_config
     rows, block = statics.slot.slots, dcfg.block_size
     state = empty_slots(statics).replace(lengths=jnp.full((rows,), statics.slot.cache_length // 2, jnp.int32))

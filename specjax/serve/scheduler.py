@@ -72,8 +72,8 @@ class ServeConfig:
     and for this many (fewer requests than that are padded to it)."""
     row_buckets: tuple[int, ...] | None = None
     """Live-row counts the step is compiled for: with fewer live requests, only that many slots are
-    computed (live rows are kept packed in the lowest slots). None: every fourth power of two below
-    `slots` (1, 4, 16, ...) and `slots` itself. Each bucket adds a compiled step per attention
+    computed (live rows are kept packed in the lowest slots). None: the powers of four below `slots`
+    (1, 4, 16, ...) and `slots` itself. Each bucket adds a compiled step per attention
     length."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
@@ -300,9 +300,6 @@ class Scheduler:
             0 if self.parts.head is None else self.parts.head.shape[1])
         self.peaks = measure_peaks(cache_dir() / "peaks")
         self.phase_seconds: dict[str, float] = {}  # chains: measured at compile(); splits each step's time
-        # Each slot's verify steps and draft tokens at the last sync (0 after an insert resets its row).
-        self._synced_steps = np.zeros(config.slots, np.int64)
-        self._synced_drafted = np.zeros(config.slots, np.int64)
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
             from specjax.decode.memory import drafter_state_breakdown
@@ -497,10 +494,12 @@ class Scheduler:
         need = longest + self.config.steps_per_sync * self.step_slack + 1
         return next((b for b in self.attend_buckets if b >= need), self.attend_buckets[-1])
 
+    def _row_bucket(self, rows: int) -> int:
+        """The smallest compiled row count that covers `rows` slots."""
+        return next(b for b in self.row_buckets if b >= rows)
+
     def _step_rows(self) -> int:
-        """The smallest compiled row count that covers every live slot."""
-        highest = max(self._live) + 1
-        return next(b for b in self.row_buckets if b >= highest)
+        return self._row_bucket(max(self._live) + 1)
 
     def _pack(self) -> None:
         """Move the highest live rows into free lower slots, so a step over the first rows covers
@@ -509,13 +508,12 @@ class Scheduler:
             highest = max(self._live)
             free = [s for s in range(highest) if s not in self._live]
             # Only when it lets the step compute fewer rows: moving costs a copy of the row's caches.
-            if not free or next(b for b in self.row_buckets if b > len(self._live) - 1) >= highest + 1:
+            if not free or self._row_bucket(len(self._live)) == self._row_bucket(highest + 1):
                 return
             target = free[0]
             self._state = slot_api.move_row(self._state, highest, target)
             self._live[target] = self._live.pop(highest)
-            for per_slot in (self._lengths, self._synced_steps, self._synced_drafted):
-                per_slot[target] = per_slot[highest]
+            self._lengths[target] = self._lengths[highest]
 
     def _compiled_step(self, length: int, rows: int):
         return self._compiled.get(("step", length, rows)) or (
@@ -564,7 +562,6 @@ class Scheduler:
                 free.remove(slot)
                 live.admitted = now
                 self.metrics.admitted(now - live.arrived, len(live.handle.request.prompt))
-                self._synced_steps[slot] = self._synced_drafted[slot] = 0
                 self._live[slot] = live
             self.metrics.queue_depth(len(self._live), len(self._waiting))
             admitted = True
@@ -689,8 +686,8 @@ class Scheduler:
             reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
             self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, int(drafted[slot]) - live.drafted_reported,
                                       (reached - live.reached_reported).tolist())
-            live.steps_reported, live.reached_reported = int(steps[slot]), reached
-            live.drafted_reported = int(drafted[slot])
+            live.reached_reported = reached
+        live.steps_reported, live.drafted_reported = int(steps[slot]), int(drafted[slot])
         if reason is None and done[slot]:
             at_limit = count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count])
             reason = "length" if at_limit else "stop"
@@ -739,9 +736,9 @@ class Scheduler:
     def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
         self.metrics.timing("step", seconds)
-        steps_done = int((steps - self._synced_steps).sum())
-        drafted_done = int((drafted - self._synced_drafted).sum())
-        self._synced_steps[:], self._synced_drafted[:] = steps, drafted
+        # Called before the rows sync, so each request's *_reported counts are those of the last sync.
+        steps_done = sum(int(steps[slot]) - live.steps_reported for slot, live in self._live.items())
+        drafted_done = sum(int(drafted[slot]) - live.drafted_reported for slot, live in self._live.items())
         # Tokens each row verified per step (1 + drafts checked), from the rows that stepped.
         verify_tokens = 1.0 + (drafted_done / steps_done if steps_done else self.statics.block - 1)
         phases = self.phase_seconds
