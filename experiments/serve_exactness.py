@@ -2,6 +2,7 @@
 SmolLM2 with its committed drafter, held-out prompts, every request sharing the slots with others.
 
     python experiments/serve_exactness.py [--prompts 12] [--max-new-tokens 64] [--slots 4] [--method chain]
+        [--dtype float32|bfloat16] [--query-rows auto|N]
 
 For each prompt it decodes (a) AR alone (Engine.generate, batch 1), (b) the method alone
 (Engine.generate, batch 1) and (c) the method through the scheduler with all prompts submitted at
@@ -29,15 +30,18 @@ def main():
     parser.add_argument("--method", default="chain")
     parser.add_argument("--category", default="chat")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="chunked prefill size (0 = whole prompts)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute precision")
+    parser.add_argument("--query-rows", default="auto", help="as `specjax generate --query-rows`")
     args = parser.parse_args()
 
     from specjax.data.prompts import heldout_prompts
     from specjax.decode.engine import Engine
-    from specjax.io.registry import load_model, resolve_drafter, resolve_refiner
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, resolve_refiner, with_query_rows
     from specjax.serve.scheduler import Request, Scheduler, ServeConfig
 
-    model = load_model("smollm2")
+    model = with_query_rows(load_model("smollm2", args.dtype), args.query_rows)
     drafter = resolve_drafter("default", "smollm2") if args.method != "ar" else None
+    drafter = at_compute_dtype(drafter, args.dtype) if drafter is not None else None
     refiner = resolve_refiner("default", "smollm2") if args.method.endswith("+refiner") else None
     texts = heldout_prompts(args.category)[: args.prompts]
     prompts = [model.tokenizer.encode_chat(t) for t in texts]
@@ -52,7 +56,7 @@ def main():
     scheduler.shutdown()
 
     print(f"\nSmolLM2, {len(prompts)} held-out {args.category} prompts, {args.max_new_tokens} new tokens, "
-          f"greedy, float32; {args.method} through {args.slots} slots, prefill chunk {args.prefill_chunk}\n")
+          f"greedy, {args.dtype} (query rows {model.config.query_rows or 'unpadded'}); {args.method} through {args.slots} slots, prefill chunk {args.prefill_chunk}\n")
     print("| prompt | served = generate (same method) | served = AR | generate = AR |")
     print("|---|---|---|---|")
     counts = [0, 0, 0]

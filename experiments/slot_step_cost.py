@@ -1,12 +1,15 @@
 """Cost of one slot-level decode step (specjax.decode.slots.step) against the number of slots, on
-SmolLM2 with a 512-slot cache and the step reading the first 128 (attend_slots), greedy rows.
+SmolLM2 with a 512-slot cache and the step reading the first 128 (attend_slots), greedy rows, at
+each compute precision given (float32 and/or bfloat16: bf16 weights and KV, float32 accumulation).
 
-    python experiments/slot_step_cost.py
+    python experiments/slot_step_cost.py [float32,bfloat16] [ar,chain]
 """
-import time, jax, jax.numpy as jnp, numpy as np
-from specjax.io.registry import load_model, resolve_drafter
+import sys, time, jax, jax.numpy as jnp, numpy as np
+from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter
 from specjax.decode import slots
-m = load_model("smollm2"); d = resolve_drafter("default", "smollm2")
+DTYPES = (sys.argv[1] if len(sys.argv) > 1 else "float32").split(",")
+METHODS = (sys.argv[2] if len(sys.argv) > 2 else "ar").split(",")
+base_m = load_model("smollm2"); base_d = resolve_drafter("default", "smollm2")
 def bench(method, S, cache=512, sps=4, L=None):
     dc = d.config if method != "ar" else None
     st = slots.SlotStatics(m.config.with_kv_rings(16), slots.SlotConfig(slots=S, cache_length=cache, max_new_tokens=256, steps_per_sync=sps), tuple(m.eos_token_ids), dc)
@@ -19,6 +22,9 @@ def bench(method, S, cache=512, sps=4, L=None):
     ts=[]
     for _ in range(3):
         t=time.perf_counter(); state=f(state); jax.block_until_ready(state.tokens); ts.append(time.perf_counter()-t)
-    print(method, S, L, f"{np.median(ts)/sps*1000:.0f} ms per step", flush=True)
-for method, S, L in [("ar",1,128),("ar",8,128),("ar",16,128),("ar",32,128)]:
-    bench(method, S, L=L)
+    print(m.config.dtype, method, S, L, f"{np.median(ts)/sps*1000:.0f} ms per step", flush=True)
+for dtype in DTYPES:
+    m, d = at_compute_dtype(base_m, dtype), at_compute_dtype(base_d, dtype)
+    for method in METHODS:
+        for S in (1, 8, 16, 32):
+            bench(method, S, L=128)

@@ -48,14 +48,14 @@ def empty_context_cache(config: DrafterConfig, batch: int, cache_length: int) ->
     """The drafter's empty context state for contexts of up to cache_length positions."""
     layer = config.layer_config
     if config.window is None:
-        return KVCache.zeros(layer, batch, cache_length)
+        return KVCache.zeros(layer, batch, cache_length, bf16_as_bits=False)  # the drafter reads it as is
     window = config.window
     dtype = jnp.dtype(config.dtype)
     return WindowedContext(
-        ring=KVCache.zeros(layer, batch, window.ring_slots(config.block_size)),
+        ring=KVCache.zeros(layer, batch, window.ring_slots(config.block_size), bf16_as_bits=False),
         ring_positions=jnp.full((batch, window.ring_slots(config.block_size)), -1, jnp.int32),
         pending=jnp.zeros((batch, 2 * window.segment, config.hidden_size), dtype),
-        summaries=KVCache.zeros(layer, batch, window.summary_slots(cache_length)),
+        summaries=KVCache.zeros(layer, batch, window.summary_slots(cache_length), bf16_as_bits=False),
     )
 
 

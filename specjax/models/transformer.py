@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import struct
 
-from specjax.models.cache import KVCache, ring_index, write_ring, write_rows
+from specjax.models.cache import KVCache, read_cache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
 from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense,
                                    dot_general_for, grouped_query_attention, rope_tables, sliding_masks)
@@ -55,7 +55,7 @@ class Attention(nn.Module):
         q, k, v = q.astype(dtype), k.astype(kv_dtype).astype(dtype), v.astype(kv_dtype).astype(dtype)
         scores = cfg.attention_scores()
         if self.window is not None:
-            out = self._sliding(q, k, v, cached_k.astype(dtype), cached_v.astype(dtype), write_index, mask, positions,
+            out = self._sliding(q, k, v, read_cache(cached_k, dtype), read_cache(cached_v, dtype), write_index, mask, positions,
                                 empty_cache)
             # Written after reading: the ring may hold fewer slots than the new tokens reach back.
             cached_k = write_ring(cached_k, k, write_index, valid_lengths)  # [B, R, K, D]
@@ -67,13 +67,13 @@ class Attention(nn.Module):
                 if block_mask is None:
                     block_mask = causal_block_mask(batch, num_new)
                 # Slots before write_index are the committed prefix; the new tokens' own K/V come directly.
-                out = tree_attention_op(q, cached_k.astype(dtype), cached_v.astype(dtype), write_index, k, v,
+                out = tree_attention_op(q, read_cache(cached_k, dtype), read_cache(cached_v, dtype), write_index, k, v,
                                         block_mask, implementation="pallas", scores=scores)  # [B, T, H, D]
             else:
                 # A mask shorter than the cache (forward's attend_slots) reads only that many slots:
                 # attention then costs what the rows' contexts need, not the whole cache.
                 read = mask.shape[-1]
-                out = grouped_query_attention(q, cached_k[:, :read].astype(dtype), cached_v[:, :read].astype(dtype),
+                out = grouped_query_attention(q, read_cache(cached_k[:, :read], dtype), read_cache(cached_v[:, :read], dtype),
                                               mask, scores)  # [B, T, H, D]
         out = dense(cfg.hidden_size, cfg.attention_bias, dtype, "o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
