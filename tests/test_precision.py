@@ -15,7 +15,7 @@ from specjax.decode.tree import TreeConfig
 from specjax.errors import SpecjaxError
 from specjax.io.registry import LoadedModel, at_compute_dtype
 from specjax.models.cache import KVCache, read_cache
-from specjax.models.layers import accumulate_in_float32
+from specjax.models.layers import MIN_DOT_ROWS, accumulate_in_float32
 from specjax.models.transformer import forward
 
 PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
@@ -33,17 +33,21 @@ def test_float32_accumulation_of_bf16_inputs():
     np.testing.assert_allclose(np.asarray(out), exact, rtol=1e-5, atol=1e-4)  # bf16 output would be ~1e-2 off
 
 
-@pytest.mark.parametrize("shape", [(64,), (1, 64), (1, 1, 64)])
-def test_a_single_row_is_padded_without_changing_it(shape):
-    """One row goes through the dot padded to two; the pad must not leak into the row kept."""
+@pytest.mark.parametrize("shape", [(64,), (1, 64), (1, 1, 64), (2, 64), (1, 3, 64)])
+def test_few_rows_are_padded_without_changing_them(shape):
+    """Dots of fewer than MIN_DOT_ROWS rows run padded to that many; the pad must not leak into the
+    rows kept, which equal the same rows computed among real neighbours."""
     rng = np.random.default_rng(1)
     lhs = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(64, 33)), jnp.bfloat16)
     out = accumulate_in_float32(lhs, rhs, (((len(shape) - 1,), (0,)), ((), ())))
     assert out.shape == shape[:-1] + (33,)
-    two_rows = jnp.stack([lhs.reshape(64), jnp.ones(64, jnp.bfloat16)])  # [2, 64]: a real second row
-    expected = jax.lax.dot_general(two_rows, rhs, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)[0]
-    np.testing.assert_array_equal(np.asarray(out).reshape(33), np.asarray(expected))
+    count = int(np.prod(shape[:-1]))
+    neighbours = jnp.asarray(rng.normal(size=(MIN_DOT_ROWS, 64)), jnp.bfloat16)
+    with_real_rows = jnp.concatenate([lhs.reshape(count, 64), neighbours])  # [count + 4, 64]
+    expected = jax.lax.dot_general(with_real_rows, rhs, (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)[:count]
+    np.testing.assert_array_equal(np.asarray(out).reshape(count, 33), np.asarray(expected))
 
 
 def test_bf16_forward_keeps_float32_logits_and_halves_the_cache(target):

@@ -59,6 +59,7 @@ def test_greedy_requests_through_slots_equal_generate(target, drafter, chain_sch
         expected = whole[:limit]
         assert result.token_ids == expected, (prompt, limit)
         assert result.finish_reason == ("stop" if expected[-1] in target.eos_token_ids else "length")
+        assert result.metrics["precision"] == {"dtype": "float32", "kv_dtype": "float32", "query_rows": None}
     if method == "chain":
         spec = results[0].metrics["speculative_decoding"]
         assert spec["verify_steps"] >= 1 and spec["mean_acceptance_length"] >= 1.0

@@ -258,8 +258,7 @@ class Engine:
     @property
     def precision(self) -> dict:
         """The target's precision: speculative output is exact against AR at this same precision."""
-        cfg = self.model.config
-        return {"dtype": cfg.dtype, "kv_dtype": cfg.cache_dtype, "query_rows": cfg.query_rows}
+        return self.model.config.precision
 
     def _with_precision(self, result: GenerationResult) -> GenerationResult:
         result.stats["precision"] = self.precision

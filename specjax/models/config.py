@@ -196,6 +196,12 @@ class TransformerConfig:
         """The KV cache's storage dtype (kv_dtype, or the compute dtype)."""
         return self.kv_dtype or self.dtype
 
+    @property
+    def precision(self) -> dict:
+        """What a decode's numbers depend on, reported with its output: compute dtype, KV-cache dtype
+        and padded query rows. Speculative output is exact against AR at this same precision."""
+        return {"dtype": self.dtype, "kv_dtype": self.cache_dtype, "query_rows": self.query_rows}
+
     def kv_bytes_per_token(self, bytes_per_element: int = 4) -> int:
         """Bytes of K and V cache one more token of context adds across all layers, once the context
         is longer than the rings (ring layers then add nothing; see kv_window_bytes)."""

@@ -13,25 +13,34 @@ from specjax.models.config import ACTIVATIONS, TransformerConfig, rope_inverse_f
 from specjax.pallas_kernels.scores import MASK_VALUE, STANDARD_SCORES, AttentionScores
 
 
+MIN_DOT_ROWS = 4
+"""bf16 projections run at least this many rows. XLA:CPU computes a row of a bf16 dot the same way
+for any row count from 3 up (checked on SmolLM2's projection and head shapes, on this project's
+Xeon), but one or two rows take other paths that round differently, and a lone row a slow
+matrix-vector one (DESIGN.md section 8). Padding every smaller dot to 4 rows makes a row's value
+independent of how many rows share its dot: a served row equals the same row decoded alone, and a
+one-token step equals that token's row of a verify pass."""
+
+
 def accumulate_in_float32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     """`lax.dot_general` for low-precision (bf16) inputs: float32 accumulation and float32 output.
 
     On XLA:CPU a bf16 dot with a bf16 output runs far below a float32 one, while bf16 inputs
-    accumulated in float32 take a fast path, from two rows up (DESIGN.md section 8). A single row
-    (batch 1, one token) falls onto a slow matrix-vector path instead, so it is padded to two rows
-    and the pad row dropped: the kept row's value does not depend on the pad.
+    accumulated in float32 take a fast path. A dot of fewer than MIN_DOT_ROWS rows is padded to
+    that many with zero rows, which are dropped: a kept row's value does not depend on the pad.
     """
     del preferred_element_type  # always float32
-    (lhs_contract, _), (lhs_batch, _) = dimension_numbers
+    (lhs_contract, rhs_contract), (lhs_batch, _) = dimension_numbers
     dot = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
                             preferred_element_type=jnp.float32)
-    if lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or lhs.size != lhs.shape[-1]:
+    count = lhs.size // max(lhs.shape[-1], 1) if lhs.ndim else 0
+    if lhs_batch or tuple(lhs_contract) != (lhs.ndim - 1,) or count >= MIN_DOT_ROWS:
         return dot(lhs, rhs)
-    rows = lhs.reshape(1, lhs.shape[-1])  # [1, d]
-    padded = jnp.concatenate([rows, jnp.zeros_like(rows)], axis=0)  # [2, d]
-    out = jax.lax.dot_general(padded, rhs, (((1,), tuple(dimension_numbers[0][1])), ((), ())), precision=precision,
-                              preferred_element_type=jnp.float32)  # [2, ...]
-    return out[:1].reshape(lhs.shape[:-1] + out.shape[1:])
+    rows = lhs.reshape(count, lhs.shape[-1])  # [M, d]
+    padded = jnp.concatenate([rows, jnp.zeros((MIN_DOT_ROWS - count, lhs.shape[-1]), lhs.dtype)], axis=0)  # [4, d]
+    out = jax.lax.dot_general(padded, rhs, (((1,), tuple(rhs_contract)), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32)  # [4, ...]
+    return out[:count].reshape(lhs.shape[:-1] + out.shape[1:])
 
 
 def dot_general_for(dtype) -> Callable:

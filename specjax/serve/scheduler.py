@@ -392,6 +392,11 @@ class Scheduler:
               f"{len(self.attend_buckets)} attention lengths ({', '.join(map(str, self.attend_buckets))}) and "
               f"{len(self.prompt_buckets)} prompt buckets ({', '.join(map(str, self.prompt_buckets))}) in "
               f"{self.compile_seconds:.1f} s", file=sys.stderr, flush=True)
+        if self.model.config.dtype != "float32":
+            # Measured: 3 of 12 held-out prompts (BENCHMARKS.md, "32 slots in bf16").
+            print(f"[specjax] {self.model.config.dtype} compute: a row's rounding depends on the rows sharing its "
+                  "step, so a greedy request can differ from the same prompt decoded alone (float32's differences "
+                  "are ulps, which no measured prompt's tokens showed)", file=sys.stderr, flush=True)
 
     # ---- the public API ----
 
@@ -718,6 +723,7 @@ class Scheduler:
             "prompt_tokens": len(live.handle.request.prompt),
             "completion_tokens": live.emitted,
             "method": self.config.method,
+            "precision": self.model.config.precision,
         }
         if self.statics.block > 1:
             committed = float((histogram * (np.arange(len(histogram)) + 1)).sum())
