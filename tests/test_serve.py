@@ -462,6 +462,8 @@ def test_the_work_model_counts_every_row_and_the_peaks_are_cached(target, drafte
     first = measure_peaks(tmp_path, matmul=128, array_mib=4)
     assert first.flops_per_s > 0 and first.bytes_per_s > 0
     assert measure_peaks(tmp_path, matmul=128, array_mib=4) == first  # loaded, not measured again
+    low = measure_peaks(tmp_path, matmul=128, array_mib=4, dtype="bfloat16")  # its own entry, measured
+    assert low.flops_per_s > 0 and len(json.loads((tmp_path / "peaks.json").read_text())) == 2
 
 
 @pytest.mark.parametrize("body, message", [

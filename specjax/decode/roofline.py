@@ -30,16 +30,20 @@ class MachinePeaks:
     """The machine's measured ceilings (one device)."""
 
     flops_per_s: float
-    """A large float32 matmul's FLOP/s."""
+    """A large matmul's FLOP/s at the compute dtype (bf16: bf16 inputs, float32 accumulation, as
+    the model's projections run)."""
     bytes_per_s: float
     """Reading a large float32 array once (a sum), in bytes/s."""
 
 
-def measure_peaks(folder: Path | None = None, matmul: int = 1024, array_mib: int = 256) -> MachinePeaks:
-    """Measure (or load) this machine's peaks. folder: where they are cached (None: measure only)."""
+def measure_peaks(folder: Path | None = None, matmul: int = 1024, array_mib: int = 256,
+                  dtype: str = "float32") -> MachinePeaks:
+    """Measure (or load) this machine's peaks for a model computing in `dtype`. folder: where they
+    are cached (None: measure only). A bf16 peak can be several times the float32 one (AMX)."""
     path = None
     if folder is not None:
-        key = f"{machine_id()}|{platform.machine()}|{os.cpu_count()}|m{matmul}|a{array_mib}|jax{jax.__version__}"
+        key = (f"{machine_id()}|{platform.machine()}|{os.cpu_count()}|m{matmul}|a{array_mib}|jax{jax.__version__}"
+               + ("" if dtype == "float32" else f"|{dtype}"))
         path = Path(folder) / "peaks.json"
         if path.exists():
             try:
@@ -48,8 +52,8 @@ def measure_peaks(folder: Path | None = None, matmul: int = 1024, array_mib: int
                     return MachinePeaks(**cached[key])
             except (OSError, json.JSONDecodeError, TypeError):
                 pass
-    a = jax.random.normal(jax.random.key(0), (matmul, matmul), jnp.float32)
-    product = jax.jit(lambda x: x @ x)
+    a = jax.random.normal(jax.random.key(0), (matmul, matmul), jnp.float32).astype(dtype)
+    product = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     flops = 2 * matmul**3 / median_seconds(5, lambda: product(a))
     array = jnp.ones((array_mib * 2**20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)

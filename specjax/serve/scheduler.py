@@ -298,7 +298,7 @@ class Scheduler:
             model.config, tree_bytes(model.params), config.slots,
             None if drafter is None else drafter.config, 0 if drafter is None else tree_bytes(drafter.params),
             0 if self.parts.head is None else self.parts.head.shape[1])
-        self.peaks = measure_peaks(cache_dir() / "peaks")
+        self.peaks = measure_peaks(cache_dir() / "peaks", dtype=model.config.dtype)
         self.phase_seconds: dict[str, float] = {}  # chains: measured at compile(); splits each step's time
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
         if drafter is not None:
