@@ -24,7 +24,7 @@ from specjax.decode.speculative import draft_chain, generate_chain
 from specjax.decode import slots as slot_api
 from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
-from specjax.decode.tree import TreeConfig, generate_tree, measure_tree_latency, tree_latency_key
+from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
@@ -94,7 +94,8 @@ class Engine:
             check_refiner(refiner, drafter)
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
-        self._phase_costs: dict[DecodeRequestShape, tuple[float, float, float]] = {}
+        self._phase_costs: dict[DecodeRequestShape, tuple[float, float, float]] = {}  # fused chains (denoising)
+        self._slot_phase_costs: dict[DecodeRequestShape, dict[str, float]] = {}
         if latency_cache is True:
             from specjax.io.registry import cache_dir
             latency_cache = cache_dir() / "latency"
@@ -151,9 +152,10 @@ class Engine:
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
         can show text as it appears. Without it the whole request is one device call. Speculative
-        methods stream through the serving step (decode/slots.py), `stream_every // 2` verify steps
-        (at least one) per chunk; sampled rows then draw from per-row keys derived from `seed`, so a
-        streamed sampled output is reproducible but is not the non-streamed call's draw.
+        methods decode on the serving step (decode/slots.py), streamed or not (streamed:
+        `stream_every // 2` verify steps per chunk, at least one), with per-row keys derived from
+        `seed`, so a streamed sampled output is the non-streamed call's draw. With denoise_steps > 1
+        chains run their own fused loop instead (the serving step drafts in one pass).
         refine: refinement passes per block for the +refiner methods.
         tree: shape and budget of draft trees for the tree methods.
         """
@@ -206,11 +208,9 @@ class Engine:
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-        if spec.needs_drafter and shape.streaming:
-            return self._with_precision(self._stream_slots(shape, args, on_tokens, stream_every))
-        if spec.needs_tree:
-            return self._with_precision(self._generate_tree(shape, args))
-        if spec.needs_drafter:
+        if spec.needs_drafter and shape.denoise_steps == 1:
+            return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every))
+        if spec.needs_drafter:  # several denoising passes per block: the chain's own fused loop
             return self._with_precision(self._generate_chain(shape, args))
 
         statics = dict(config=self.decode_config(shape), sampling=sampling, eos_token_ids=shape.eos_token_ids)
@@ -309,9 +309,10 @@ class Engine:
                                         self._compiled[shape])
         return GenerationResult(rows, stats)
 
-    def _stream_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int) -> GenerationResult:
-        """Speculative streaming: the prompts fill the slots of the serving step, which runs a few
-        verify steps per device call; each call's tokens go to on_tokens."""
+    def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int) -> GenerationResult:
+        """Speculative decoding on the serving step (decode/slots.py): the prompts fill a slot batch
+        of their own. Without on_tokens one device call runs every verify step (`run_to_end`);
+        with it, each call runs `stream_every // 2` of them and its tokens go to on_tokens."""
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
         statics = slot_api.SlotStatics(
@@ -323,11 +324,12 @@ class Engine:
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree)
         draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
-        costs = None
+        latency = None
         if shape.tree is not None and shape.tree.auto:
-            costs = self._latency_model(shape, target_params, draft_vocab, prompt_lengths).costs()
+            latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
         parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
-                                    None if shape.refine is None else self.refiner.params, costs)
+                                    None if shape.refine is None else self.refiner.params,
+                                    None if latency is None else latency.costs())
         full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
         seeds = jax.random.randint(rng, (batch,), 0, np.iinfo(np.int32).max).astype(jnp.uint32)
         request = slot_api.InsertRequest(
@@ -339,70 +341,71 @@ class Engine:
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
-            self._compiled[shape] = (
-                slot_api.insert.lower(parts, state, request, statics=statics).compile(),
-                slot_api.step.lower(parts, state, method=shape.method, statics=statics).compile())
+            run = (slot_api.step.lower(parts, state, method=shape.method, statics=statics) if shape.streaming else
+                   slot_api.run_to_end.lower(parts, state, method=shape.method, statics=statics))
+            self._compiled[shape] = (slot_api.insert.lower(parts, state, request, statics=statics).compile(),
+                                     run.compile())
             compile_s = time.perf_counter() - start
-        insert, step = self._compiled[shape]
+        insert, run = self._compiled[shape]
         start = time.perf_counter()
         state = insert(parts, state, request)
-        while True:
-            tokens, counts, done = jax.device_get((state.tokens, state.num_generated, state.done))
-            on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
-            if done.all():
-                break
-            state = step(parts, state)
+        if shape.streaming:
+            while True:
+                tokens, counts, done = jax.device_get((state.tokens, state.num_generated, state.done))
+                on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
+                if done.all():
+                    break
+                state = run(parts, state)
+        else:
+            state = jax.block_until_ready(run(parts, state))
         wall_s = time.perf_counter() - start
-        histogram, drafted = np.asarray(state.accepted_histogram), np.asarray(state.drafted)
+        tokens, counts, histogram, drafted, steps, passes, sizes, chosen = jax.device_get(
+            (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
+             state.refine_passes, state.tree_sizes, state.tree_chosen))
         rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
         stats = _speculative_stats(shape.method, counts, histogram, wall_s, compile_s)
-        stats.update({
-            "streamed": True,
-            "draft_tokens": int(drafted.sum()),
-            "memory": decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length, None),
-        })
+        loop_steps = stats["verify_steps"]
+        # Every row drafts, refines and verifies together in each step until the last row is done,
+        # so the longest-running row's counters are the batch's per-step counts.
+        longest = int(np.argmax(steps))
+        stats.update({"streamed": shape.streaming, "draft_tokens": int(drafted.sum())})
+        if shape.tree is None:
+            # The steps are fused; the split is loop_steps x the phases timed alone at these shapes.
+            phases = self._phase_seconds(shape, statics, parts)
+            stats.update({"draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
+            if shape.refine is not None:
+                stats["refine_s"] = int(passes[longest]) * phases["refine"]
+        else:
+            counts_by_size = {size: int(c) for size, c in zip(statics.tree_buckets, sizes[longest])}
+            stats.update({
+                "tree_nodes_chosen": int(chosen[longest]) / loop_steps if loop_steps else 0.0,
+                "tree_bucket_counts": counts_by_size,
+                "tree_nodes_verified": (sum(size * c for size, c in counts_by_size.items()) / loop_steps
+                                        if loop_steps else 0.0),
+            })
+            if latency is not None:
+                # Split of wall time by the latency model, which each run refits (Bastion's rule).
+                stats.update({
+                    "draft_s": loop_steps * latency.fixed_s,
+                    "verify_s": sum(c * latency.verify_s[latency.sizes.index(size)]
+                                    for size, c in counts_by_size.items()),
+                    "latency_model": {"sizes": list(latency.sizes), "verify_s": list(latency.verify_s),
+                                      "fixed_s": latency.fixed_s},
+                })
+                if loop_steps and not shape.streaming:
+                    latency.observe(loop_steps, counts_by_size, wall_s)
+                    self._save_latency(shape, latency)
+        if shape.refine is not None:
+            stats["refine_passes"] = int(passes[longest]) / loop_steps if loop_steps else 0.0
+        stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length,
+                                        None if shape.streaming else run)
         return GenerationResult(rows, stats)
 
-    def _generate_tree(self, shape: DecodeRequestShape, args) -> GenerationResult:
-        target_params, prompt_tokens, prompt_lengths, rng = args
-        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
-        refined = shape.refine is not None
-        latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
-        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
-                     latency.costs(), self.refiner.params if refined else None)
-        statics = dict(target_config=self.decode_config(shape), drafter_config=self.drafter.config, sampling=shape.sampling,
-                       max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
-                       cache_length=shape.cache_length, tree=shape.tree,
-                       refiner_config=self.refiner.config if refined else None,
-                       refine=shape.refine if refined else RefineConfig())
-        out, wall_s, compile_s = self._compile_and_run(shape, generate_tree, full_args, statics)
-        num_generated, histogram = np.asarray(out.num_generated), np.asarray(out.accepted_histogram)
-        tokens = np.asarray(out.tokens)
-        rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
-        stats = _speculative_stats(shape.method, num_generated, histogram, wall_s, compile_s)
-        buckets = shape.tree.node_buckets(self.drafter.config.block_size - 1)
-        counts = {size: int(c) for size, c in zip(buckets, np.asarray(out.bucket_histogram))}
-        predicted_draft = stats["verify_steps"] * latency.fixed_s
-        predicted_verify = sum(c * latency.verify_s[latency.sizes.index(size)] for size, c in counts.items())
-        stats.update({
-            # Split of wall time by the latency model (the loop is one fused executable).
-            "draft_s": predicted_draft,
-            "verify_s": predicted_verify,
-            "tree_nodes_chosen": int(out.chosen_nodes) / stats["verify_steps"] if stats["verify_steps"] else 0.0,
-            "tree_bucket_counts": counts,
-            "tree_nodes_verified": (sum(size * c for size, c in counts.items()) / stats["verify_steps"]
-                                    if stats["verify_steps"] else 0.0),
-            "latency_model": {"sizes": list(latency.sizes), "verify_s": list(latency.verify_s),
-                              "fixed_s": latency.fixed_s},
-        })
-        if refined:
-            stats["refine_passes"] = int(out.refine_passes) / stats["verify_steps"] if stats["verify_steps"] else 0.0
-        if shape.tree.auto and stats["verify_steps"]:
-            latency.observe(stats["verify_steps"], counts, wall_s)
-            self._save_latency(shape, latency)
-        stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, shape.batch, shape.cache_length,
-                                        self._compiled[shape])
-        return GenerationResult(rows, stats)
+    def _phase_seconds(self, shape: DecodeRequestShape, statics, parts) -> dict:
+        """Seconds of one draft, refinement and verify pass at this request's shapes (measured once)."""
+        if shape not in self._slot_phase_costs:
+            self._slot_phase_costs[shape] = slot_api.measure_phase_seconds(parts, statics, shape.refine is not None)
+        return self._slot_phase_costs[shape]
 
     def _latency_key(self, shape: DecodeRequestShape) -> str:
         return tree_latency_key(self.model.name, self.decode_config(shape), shape.batch, shape.cache_length,

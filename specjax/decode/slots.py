@@ -149,6 +149,12 @@ class SlotState:
     """[S, block] int32: verify steps that accepted n drafts, n = 0..block-1 (AR: all at n = 0)."""
     drafted: jax.Array
     """[S] int32: draft tokens the row's verify steps checked (K per chain step, nodes - 1 per tree)."""
+    refine_passes: jax.Array
+    """[S] int32: refinement passes run in the row's steps (+refiner methods; a pass refines every row)."""
+    tree_sizes: jax.Array
+    """[S, max(1, buckets)] int32: the row's tree steps per verified tree size (statics.tree_buckets)."""
+    tree_chosen: jax.Array
+    """[S] int32: the budget rule's chosen tree sizes, summed over the row's tree steps."""
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
@@ -199,6 +205,9 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         steps=jnp.zeros((s,), jnp.int32),
         accepted_histogram=jnp.zeros((s, statics.block), jnp.int32),
         drafted=jnp.zeros((s,), jnp.int32),
+        refine_passes=jnp.zeros((s,), jnp.int32),
+        tree_sizes=jnp.zeros((s, max(1, len(statics.tree_buckets))), jnp.int32),
+        tree_chosen=jnp.zeros((s,), jnp.int32),
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None
                        else empty_context_cache(statics.drafter_config, s, statics.slot.cache_length)),
@@ -313,6 +322,9 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         steps=put(state.steps, jnp.zeros((count,), jnp.int32)),
         accepted_histogram=put(state.accepted_histogram, jnp.zeros((count, statics.block), jnp.int32)),
         drafted=put(state.drafted, jnp.zeros((count,), jnp.int32)),
+        refine_passes=put(state.refine_passes, jnp.zeros((count,), jnp.int32)),
+        tree_sizes=put(state.tree_sizes, jnp.zeros((count,) + state.tree_sizes.shape[1:], jnp.int32)),
+        tree_chosen=put(state.tree_chosen, jnp.zeros((count,), jnp.int32)),
         target_cache=put(state.target_cache, cache),
     )
     if dcfg is not None:
@@ -359,8 +371,9 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     draft_index = jax.lax.cond(
         sampled, lambda: row_categorical(draft_keys, row_processed_logits(logits, state.sampling)),
         lambda: greedy_draft(logits))  # [S, K]
+    passes = jnp.int32(0)
     if refined:
-        logits, draft_index = _refine(parts, state, statics, hidden, logits, draft_index, draft_keys, sampled)
+        logits, draft_index, passes = _refine(parts, state, statics, hidden, logits, draft_index, draft_keys, sampled)
     draft, _ = _to_full_vocabulary(draft_index, None, parts.draft_vocab, tcfg.vocab_size)
 
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, Bk]
@@ -382,6 +395,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     advance = jnp.where(state.done, 0, n + 1)
     context = append_context(parts.drafter, dcfg, state.context_cache, out.hidden, positions, state.lengths,
                              state.lengths + advance)
+    state = state.replace(refine_passes=state.refine_passes + ~state.done * passes)
     return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=block - 1)
 
 
@@ -389,7 +403,8 @@ def _refine(parts: SlotParts, state: SlotState, statics: SlotStatics, hidden, lo
             sampled):
     """Jacobi refinement of every row's draft (decode/refine.py) with per-row choices: greedy rows
     take the argmax; sampled rows a Gumbel-max draw whose noise is drawn once per block from the
-    row's key, which keeps the refined draft an exact sample of the refined q."""
+    row's key, which keeps the refined draft an exact sample of the refined q.
+    Returns (refined logits, refined draft indices, passes run [])."""
     tcfg = statics.target_config
     to_token = (lambda i: i) if parts.draft_vocab is None else (lambda i: jnp.take(parts.draft_vocab, i))
     embed_index = lambda i: embed_tokens(parts.target, tcfg, to_token(i))  # noqa: E731
@@ -397,10 +412,10 @@ def _refine(parts: SlotParts, state: SlotState, statics: SlotStatics, hidden, lo
     refiner = _refiner_inputs(parts, statics)
 
     def run(choose):
-        draft, refined_logits, _ = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits,
-                                                 anchor_embed, draft_index, embed_index, refiner.low_rank_head,
-                                                 SamplingConfig(), None, choose=choose)
-        return refined_logits, draft
+        draft, refined_logits, passes = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits,
+                                                      anchor_embed, draft_index, embed_index, refiner.low_rank_head,
+                                                      SamplingConfig(), None, choose=choose)
+        return refined_logits, draft, jnp.asarray(passes, jnp.int32)
 
     def with_sampling():
         # The refinement noise comes from a key split off the draft key, so it is independent of the
@@ -425,8 +440,8 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     live = ~state.done
     sampled = _any_sampled(state.sampling)
     refiner = _refiner_inputs(parts, statics) if refined else None
-    logits, _ = draft_marginals(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
-                                state.context_cache, parts.head, parts.draft_vocab, refiner)  # [S, K, V']
+    logits, passes = draft_marginals(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
+                                     state.context_cache, parts.head, parts.draft_vocab, refiner)  # [S, K, V']
     # Sampled rows grow their trees on the processed marginals, the distribution the target samples;
     # greedy rows on the raw ones (their one-hot processed form would leave one candidate per depth).
     is_sampled = (state.sampling.temperature > 0)[:, None, None]
@@ -437,7 +452,7 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
         chosen = chosen_tree_size(nodes.log_prob, nodes.valid, live, parts.tree_costs, max_nodes)  # []
         bucket = jnp.minimum(jnp.sum(jnp.asarray(buckets, jnp.int32) < chosen), len(buckets) - 1)
     else:
-        bucket = jnp.int32(0)
+        chosen, bucket = jnp.int32(buckets[0]), jnp.int32(0)
 
     def draw(target_logits):  # [S, N, V] -> [S, N]: y_v at every node
         return jax.lax.cond(sampled,
@@ -457,6 +472,9 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     path_positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [S, K+1]
     context = append_context(parts.drafter, dcfg, state.context_cache, features, path_positions, state.lengths,
                              state.lengths + advance)
+    state = state.replace(tree_sizes=state.tree_sizes + live[:, None] * (jnp.arange(len(buckets)) == bucket),
+                          tree_chosen=state.tree_chosen + live * chosen.astype(jnp.int32),
+                          refine_passes=state.refine_passes + live * jnp.asarray(passes, jnp.int32))
     return _commit(state, accepted, n, next_token, keys, cache, context, statics, drafted=drafted)
 
 
@@ -543,6 +561,14 @@ def step(parts: SlotParts, state: SlotState, *, method: str, statics: SlotStatic
         return run(state)
     stepped = run(jax.tree.map(lambda whole: whole[:rows], state))
     return jax.tree.map(lambda whole, part: whole.at[:rows].set(part), state, stepped)
+
+
+@partial(jax.jit, static_argnames=("method", "statics"), donate_argnames=("state",))
+def run_to_end(parts: SlotParts, state: SlotState, *, method: str, statics: SlotStatics) -> SlotState:
+    """Verify steps until every row is done, in one device call: batch generation without a host
+    sync, on the same step the server and streaming drive."""
+    one_step = check_method(method, statics, parts).one_step
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: one_step(parts, s, statics, None), state)
 
 
 @partial(jax.jit, donate_argnames=("state",))
