@@ -417,6 +417,10 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _kv_text(kv: dict | None) -> str:
+    return "" if kv is None else f"; KV in use mean {kv['mean'] / 2**20:.1f} MiB, max {kv['max'] / 2**20:.1f} MiB"
+
+
 def cmd_bench_serve(args) -> int:
     """Load-test a running server (loopback only): one rate, or a sweep with a plot."""
     import json
@@ -445,7 +449,7 @@ def cmd_bench_serve(args) -> int:
               f"({row['rejected_429']} got 429); {row['request_throughput']:.2f} req/s, "
               f"{row['output_token_throughput']:.1f} output tok/s; TTFT p50 {_ms(row['ttft_ms']['p50'])} "
               f"p99 {_ms(row['ttft_ms']['p99'])}; TPOT p50 {_ms(row['tpot_ms']['p50'])} "
-              f"p99 {_ms(row['tpot_ms']['p99'])}", flush=True)
+              f"p99 {_ms(row['tpot_ms']['p99'])}{_kv_text(row['kv_bytes_in_use'])}", flush=True)
     if args.plot and len(rows) > 1:
         plot_sweep(rows, args.plot)
         print(f"plot written to {args.plot}")

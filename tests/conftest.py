@@ -14,6 +14,28 @@ import pytest  # noqa: E402
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop the compiled programs after a module once the process holds many memory maps. XLA:CPU
+    maps memory for each executable, and the whole suite's programs together passed Linux's default
+    limit of 65,530 maps per process (vm.max_map_count), which aborts the process inside a compile.
+    Clearing only past half the limit keeps programs that later modules share."""
+    yield
+    if _memory_maps() > 30_000:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 TINY_SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 

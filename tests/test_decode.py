@@ -143,5 +143,6 @@ def test_streaming_in_chunks_gives_the_same_tokens(tiny_model):
     streamed = engine.generate([[1, 2, 3], [4]], 20, SamplingConfig(temperature=1.0), seed=5, ignore_eos=True,
                                on_tokens=seen.append, stream_every=6)
     assert streamed.tokens == whole.tokens
-    assert [len(rows[0]) for rows in seen] == [7, 13, 19, 20]  # first token comes from the prefill
+    # The prefill's token is shown at once (time to first token), then a chunk per 6 steps.
+    assert [len(rows[0]) for rows in seen] == [1, 7, 13, 19, 20]
     assert all(rows[0] == whole.tokens[0][: len(rows[0])] for rows in seen)

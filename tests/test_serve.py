@@ -544,6 +544,8 @@ def test_bench_serve_against_the_server(server):
         assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
     assert summary["ttft_ms"]["p50"] <= summary["e2el_ms"]["p50"]
     assert summary["output_token_throughput"] > 0 and summary["goodput"] > 0
+    kv = summary["kv_bytes_in_use"]  # sampled from the server's /metrics during the burst
+    assert kv is not None and 0 <= kv["mean"] <= kv["max"]
 
 
 def test_the_dashboard_reads_the_metrics_it_is_given():

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode.autoregressive import continue_autoregressive, generate_autoregressive, start_autoregressive
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.budget import LatencyModel, median_seconds
@@ -208,52 +207,9 @@ class Engine:
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
-        if spec.needs_drafter and shape.denoise_steps == 1:
-            return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every))
-        if spec.needs_drafter:  # several denoising passes per block: the chain's own fused loop
+        if spec.needs_drafter and shape.denoise_steps > 1:  # several denoising passes: the chain's own loop
             return self._with_precision(self._generate_chain(shape, args))
-
-        statics = dict(config=self.decode_config(shape), sampling=sampling, eos_token_ids=shape.eos_token_ids)
-        compile_s = 0.0
-        if shape not in self._compiled:
-            start = time.perf_counter()
-            sized = dict(statics, max_new_tokens=max_new_tokens, cache_length=shape.cache_length)
-            if shape.streaming:
-                first = start_autoregressive.lower(*args, **sized).compile()
-                state = jax.eval_shape(lambda: start_autoregressive(*args, **sized))
-                rest = continue_autoregressive.lower(args[0], state, jnp.int32(0), **statics).compile()
-                self._compiled[shape] = (first, rest)
-            else:
-                self._compiled[shape] = generate_autoregressive.lower(*args, **sized).compile()
-            compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        if shape.streaming:
-            first, rest = self._compiled[shape]
-            state = first(*args)
-            while True:
-                state = rest(args[0], state, state.step + stream_every)
-                counts = np.asarray(state.num_generated)
-                on_tokens([np.asarray(state.tokens)[i, : counts[i]].tolist() for i in range(len(prompts))])
-                if int(state.step) >= max_new_tokens or bool(np.all(np.asarray(state.done))):
-                    break
-            out_tokens, num_generated = state.tokens, state.num_generated
-        else:
-            out_tokens, num_generated = jax.block_until_ready(self._compiled[shape](*args))
-        wall_s = time.perf_counter() - start
-
-        out_tokens, num_generated = np.asarray(out_tokens), np.asarray(num_generated)
-        rows = [out_tokens[i, : num_generated[i]].tolist() for i in range(len(prompts))]
-        new_tokens = int(num_generated.sum())
-        stats = {
-            "method": method,
-            "tokens_per_s": new_tokens / wall_s,
-            "compile_s": compile_s,
-            "wall_s": wall_s,
-            "new_tokens": new_tokens,
-            "memory": decode_memory(self.decode_config(shape), None, shape.batch, shape.cache_length,
-                                    None if shape.streaming else self._compiled[shape]),
-        }
-        return self._with_precision(GenerationResult(rows, stats))
+        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every))
 
     @property
     def precision(self) -> dict:
@@ -310,26 +266,32 @@ class Engine:
         return GenerationResult(rows, stats)
 
     def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int) -> GenerationResult:
-        """Speculative decoding on the serving step (decode/slots.py): the prompts fill a slot batch
-        of their own. Without on_tokens one device call runs every verify step (`run_to_end`);
-        with it, each call runs `stream_every // 2` of them and its tokens go to on_tokens."""
+        """Decoding on the serving step (decode/slots.py), every method: the prompts fill a slot
+        batch of their own. Without on_tokens one device call runs every step (`run_to_end`);
+        with it, each call runs about `stream_every` tokens' worth (`stream_every // 2` verify steps
+        for speculative methods) and its tokens go to on_tokens."""
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
+        speculative = SLOT_METHODS[shape.method].needs_drafter
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
-                                     max_new_tokens=shape.max_new_tokens, steps_per_sync=max(1, stream_every // 2),
+                                     max_new_tokens=shape.max_new_tokens,
+                                     steps_per_sync=max(1, stream_every // 2) if speculative else stream_every,
                                      insert_rows=batch),
-            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config,
+            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if speculative else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree)
-        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
         latency = None
-        if shape.tree is not None and shape.tree.auto:
-            latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
-        parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
-                                    None if shape.refine is None else self.refiner.params,
-                                    None if latency is None else latency.costs())
+        if speculative:
+            draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
+            if shape.tree is not None and shape.tree.auto:
+                latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
+            parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
+                                        None if shape.refine is None else self.refiner.params,
+                                        None if latency is None else latency.costs())
+        else:
+            parts = slot_api.slot_parts(statics, target_params)
         full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
         seeds = jax.random.randint(rng, (batch,), 0, np.iinfo(np.int32).max).astype(jnp.uint32)
         request = slot_api.InsertRequest(
@@ -363,6 +325,13 @@ class Engine:
             (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
              state.refine_passes, state.tree_sizes, state.tree_chosen))
         rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
+        if not speculative:
+            new_tokens = int(counts.sum())
+            return GenerationResult(rows, {
+                "method": shape.method, "tokens_per_s": new_tokens / wall_s, "compile_s": compile_s,
+                "wall_s": wall_s, "new_tokens": new_tokens,
+                "memory": decode_memory(statics.target_config, None, batch, shape.cache_length,
+                                        None if shape.streaming else run)})
         stats = _speculative_stats(shape.method, counts, histogram, wall_s, compile_s)
         loop_steps = stats["verify_steps"]
         # Every row drafts, refines and verifies together in each step until the last row is done,

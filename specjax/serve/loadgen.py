@@ -115,8 +115,31 @@ async def _one_request(client, url: str, prompt: str, spec: LoadSpec) -> Outcome
     return outcome
 
 
-async def run_load(url: str, prompts: list[str], spec: LoadSpec) -> list[Outcome]:
-    """Send spec.num_requests requests (prompts cycled) on the arrival schedule; return every outcome."""
+KV_GAUGE = "specjax:kv_cache_bytes_in_use"
+"""The server gauge bench-serve samples while it loads the server (target and drafter parts summed)."""
+
+
+async def _sample_kv_bytes(client, url: str, samples: list[float], every_s: float = 0.5) -> None:
+    """Scrape the server's /metrics every every_s seconds and keep its KV bytes in use; a server
+    without the gauge (not specjax) leaves samples empty."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    while True:
+        try:
+            response = await client.get(f"{url.rstrip('/')}/metrics")
+            families = text_string_to_metric_families(response.text) if response.status_code == 200 else []
+            values = [s.value for f in families if f.name == KV_GAUGE for s in f.samples]
+            if values:
+                samples.append(float(sum(values)))
+        except Exception:  # noqa: BLE001 - a missed scrape is a missing sample, not a failed run
+            pass
+        await asyncio.sleep(every_s)
+
+
+async def run_load(url: str, prompts: list[str], spec: LoadSpec,
+                   kv_samples: list[float] | None = None) -> list[Outcome]:
+    """Send spec.num_requests requests (prompts cycled) on the arrival schedule; return every outcome.
+    kv_samples: if given, the server's KV bytes in use are sampled into it during the run."""
     import httpx
 
     check_loopback(url)
@@ -135,8 +158,9 @@ async def run_load(url: str, prompts: list[str], spec: LoadSpec) -> list[Outcome
                 return await _one_request(client, url, prompts[i % len(prompts)], spec)
 
         tasks = [asyncio.ensure_future(scheduled(i)) for i in range(spec.num_requests)]
+        sampler = None if kv_samples is None else asyncio.ensure_future(_sample_kv_bytes(client, url, kv_samples))
         done, pending = await asyncio.wait(tasks, timeout=spec.time_limit_s)
-        for task in pending:
+        for task in pending | ({sampler} if sampler else set()):
             task.cancel()
         return [t.result() if t in done else Outcome(False, 0, error="time limit") for t in tasks]
 
@@ -194,8 +218,12 @@ def parse_goodput(text: str | None) -> dict[str, float]:
 
 def benchmark(url: str, prompts: list[str], spec: LoadSpec, goodput: dict[str, float] | None = None) -> dict:
     began = time.perf_counter()
-    outcomes = asyncio.run(run_load(url, prompts, spec))
+    kv_samples: list[float] = []
+    outcomes = asyncio.run(run_load(url, prompts, spec, kv_samples))
     summary = summarize(outcomes, time.perf_counter() - began, goodput)
+    # The server's KV bytes holding tokens, sampled twice a second under this load (None: no gauge).
+    summary["kv_bytes_in_use"] = ({"mean": float(np.mean(kv_samples)), "max": float(np.max(kv_samples))}
+                                  if kv_samples else None)
     summary["request_rate"] = None if math.isinf(spec.request_rate) else spec.request_rate
     summary["max_concurrency"] = spec.max_concurrency
     errors = [o.error for o in outcomes if not o.ok and o.error]
