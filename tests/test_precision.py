@@ -76,7 +76,8 @@ def test_unknown_compute_dtype_is_refused(target):
         at_compute_dtype(target, "float16")
 
 
-@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite time budget; the padded-steps bf16 test below stays in the default suite
+@pytest.mark.parametrize("method", ["chain", "tree"])
 def test_greedy_speculation_equals_autoregressive_in_bf16(target, drafter, method):
     engine = Engine(at_compute_dtype(target, "bfloat16"), at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
     options = {"tree": TreeConfig(budget=6)} if method == "tree" else {}  # a fixed size: no latency measuring
@@ -176,7 +177,8 @@ def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys)
     assert "--query-rows takes auto or a number" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite time budget; test_bf16_forward_keeps_float32_logits_and_halves_the_cache stays
+@pytest.mark.parametrize("method", ["chain", "tree"])
 def test_a_bf16_kv_cache_under_float32_compute_stays_exact(target, drafter, method):
     """The KV cache stored in bf16 while everything computes in float32: half the cache, and greedy
     speculative output still identical to AR with the same cache, at batch 3 and batch 1."""

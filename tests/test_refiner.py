@@ -112,6 +112,7 @@ def test_jacobi_refinement_reaches_the_left_to_right_chain(kind, target, drafter
     np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # suite time budget; greedy refiner exactness stays in the default suite
 def test_an_untrained_refiner_changes_nothing(target, drafter):
     config = _config("transformer")
     fresh = LoadedRefiner("fresh", config, init_refiner_params(config, jax.random.key(0)),

@@ -84,6 +84,7 @@ def test_weights_are_sha256_pinned(monkeypatch, tmp_path):
     assert path == target and path.stat().st_size > 90_000_000
 
 
+@pytest.mark.slow  # 38 s; the demo and experiments/serve_exactness.py check the same on held-out prompts
 def test_chain_with_the_committed_drafter_equals_greedy(smollm2):
     """The real pair: SmolLM2 and its committed drafter, batch 1 and a ragged batch of 3."""
     from specjax.io.registry import resolve_drafter

@@ -66,6 +66,7 @@ def test_decode_state_reproduces_the_training_view(target, drafter):
     assert int(lengths.min()) > 3 * cfg.window.segment  # several segments were summarised on the way
 
 
+@pytest.mark.slow  # suite time budget; windowed decoding exactness stays in the default suite
 def test_old_context_reaches_the_drafter_only_through_summaries(target, drafter):
     """Positions older than the window change the draft through their segment's summary; future
     positions never do."""
