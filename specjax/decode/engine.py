@@ -150,9 +150,9 @@ class Engine:
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
         tokens: the loop then runs in chunks (one host sync per chunk, never per token) so a caller
-        can show text as it appears. Without it the whole request is one device call. Speculative
-        methods decode on the serving step (decode/slots.py), streamed or not (streamed:
-        `stream_every // 2` verify steps per chunk, at least one), with per-row keys derived from
+        can show text as it appears. Without it the whole request is one device call. Every method
+        decodes on the serving step (decode/slots.py), streamed or not (streamed: `stream_every`
+        AR steps or `stream_every // 2` verify steps per chunk), with per-row keys derived from
         `seed`, so a streamed sampled output is the non-streamed call's draw. With denoise_steps > 1
         chains run their own fused loop instead (the serving step drafts in one pass).
         refine: refinement passes per block for the +refiner methods.
