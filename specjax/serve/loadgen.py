@@ -119,20 +119,25 @@ KV_GAUGE = "specjax:kv_cache_bytes_in_use"
 """The server gauge bench-serve samples while it loads the server (target and drafter parts summed)."""
 
 
-async def _sample_kv_bytes(client, url: str, samples: list[float], every_s: float = 0.5) -> None:
-    """Scrape the server's /metrics every every_s seconds and keep its KV bytes in use; a server
-    without the gauge (not specjax) leaves samples empty."""
+async def _scrape_kv_bytes(client, url: str) -> float | None:
+    """The server's KV bytes in use from its /metrics, or None (no such gauge, or no answer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    try:
+        response = await client.get(f"{url.rstrip('/')}/metrics")
+        families = text_string_to_metric_families(response.text) if response.status_code == 200 else []
+        values = [s.value for f in families if f.name == KV_GAUGE for s in f.samples]
+    except Exception:  # noqa: BLE001 - a missed scrape is a missing sample, not a failed run
+        return None
+    return float(sum(values)) if values else None
+
+
+async def _sample_kv_bytes(client, url: str, samples: list[float], every_s: float = 0.5) -> None:
+    """Scrape the server's KV bytes in use every every_s seconds into samples."""
     while True:
-        try:
-            response = await client.get(f"{url.rstrip('/')}/metrics")
-            families = text_string_to_metric_families(response.text) if response.status_code == 200 else []
-            values = [s.value for f in families if f.name == KV_GAUGE for s in f.samples]
-            if values:
-                samples.append(float(sum(values)))
-        except Exception:  # noqa: BLE001 - a missed scrape is a missing sample, not a failed run
-            pass
+        value = await _scrape_kv_bytes(client, url)
+        if value is not None:
+            samples.append(value)
         await asyncio.sleep(every_s)
 
 
@@ -149,8 +154,10 @@ async def run_load(url: str, prompts: list[str], spec: LoadSpec,
     gate = asyncio.Semaphore(limit)
     times = arrival_times(spec)
     began = time.perf_counter()
+    # One connection more than the requests may hold: the KV sampler's scrapes never queue a request.
+    connections = limit + (kv_samples is not None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(spec.time_limit_s), limits=httpx.Limits(
-            max_connections=limit, max_keepalive_connections=limit)) as client:
+            max_connections=connections, max_keepalive_connections=connections)) as client:
 
         async def scheduled(i: int) -> Outcome:
             await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - began)))
@@ -162,6 +169,10 @@ async def run_load(url: str, prompts: list[str], spec: LoadSpec,
         done, pending = await asyncio.wait(tasks, timeout=spec.time_limit_s)
         for task in pending | ({sampler} if sampler else set()):
             task.cancel()
+        if kv_samples is not None:  # one scrape at the end too, so a burst shorter than the period counts
+            value = await _scrape_kv_bytes(client, url)
+            if value is not None:
+                kv_samples.append(value)
         return [t.result() if t in done else Outcome(False, 0, error="time limit") for t in tasks]
 
 
