@@ -155,6 +155,9 @@ class SlotState:
     """[S, max(1, buckets)] int32: the row's tree steps per verified tree size (statics.tree_buckets)."""
     tree_chosen: jax.Array
     """[S] int32: the budget rule's chosen tree sizes, summed over the row's tree steps."""
+    draft_limit: jax.Array
+    """[S] int32: most drafts a step may commit for the row (0: the row decodes one token per step
+    whatever the batch's method; block - 1: no limit). A per-row choice inside a batch-wide step."""
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
@@ -208,6 +211,7 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         refine_passes=jnp.zeros((s,), jnp.int32),
         tree_sizes=jnp.zeros((s, max(1, len(statics.tree_buckets))), jnp.int32),
         tree_chosen=jnp.zeros((s,), jnp.int32),
+        draft_limit=jnp.full((s,), statics.block - 1, jnp.int32),
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None
                        else empty_context_cache(statics.drafter_config, s, statics.slot.cache_length)),
@@ -263,6 +267,8 @@ class InsertRequest:
     offsets: jax.Array | None = None
     """[R] int32: prompt tokens of each row prefilled by earlier calls (chunked prefill), the chunk
     being `prompts`; None: the prompts start here, in fresh rows."""
+    draft_limit: jax.Array | None = None
+    """[R] int32: each row's SlotState.draft_limit (None: no limit)."""
     final: jax.Array | None = None
     """[R] bool: the call holds each prompt's last tokens (None: every prompt ends here). A row whose
     prompt goes on gets no first token and stays done, so steps pass it by, with its length at the
@@ -325,6 +331,8 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         refine_passes=put(state.refine_passes, jnp.zeros((count,), jnp.int32)),
         tree_sizes=put(state.tree_sizes, jnp.zeros((count,) + state.tree_sizes.shape[1:], jnp.int32)),
         tree_chosen=put(state.tree_chosen, jnp.zeros((count,), jnp.int32)),
+        draft_limit=put(state.draft_limit, jnp.full((count,), statics.block - 1, jnp.int32)
+                        if request.draft_limit is None else request.draft_limit),
         target_cache=put(state.target_cache, cache),
     )
     if dcfg is not None:
@@ -339,17 +347,36 @@ def _any_sampled(sampling: RowSampling) -> jax.Array:
 
 
 def _ar_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None) -> SlotState:
-    """One token for every live row."""
+    """One token for every live row. When the slots carry a drafter context (a server that switches
+    methods between steps), the step's tap features go into it, so a later speculative step drafts
+    from a context without holes."""
+    dcfg = statics.drafter_config
+    keep_context = dcfg is not None and state.context_cache is not None
     keys, draw_keys = split_row_keys(state.keys, 2)
     out = forward(parts.target, statics.target_config, state.last_token[:, None], state.lengths[:, None],
-                  state.target_cache, state.lengths, attend_slots=attend_slots)
+                  state.target_cache, state.lengths, attend_slots=attend_slots,
+                  hidden_layers=dcfg.target_layer_ids if keep_context else ())
     logits = out.logits[:, 0]  # [S, V]
     token = jax.lax.cond(_any_sampled(state.sampling),
                          lambda: row_categorical(draw_keys, row_processed_logits(logits, state.sampling)),
                          lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [S]
+    context = state.context_cache
+    if keep_context:
+        context = append_context(parts.drafter, dcfg, context, out.hidden, state.lengths[:, None], state.lengths,
+                                 state.lengths + ~state.done)
     no_drafts = jnp.zeros((state.lengths.shape[0], 0), jnp.int32)
-    return _commit(state, no_drafts, jnp.zeros_like(token), token, keys, out.cache, state.context_cache, statics,
-                   drafted=0)
+    return _commit(state, no_drafts, jnp.zeros_like(token), token, keys, out.cache, context, statics, drafted=0)
+
+
+def _within_limit(n, next_token, drafts, limit):
+    """Cut each row's accepted run at its draft limit. Drafts d_1..d_n passed the acceptance rule and
+    next_token follows them; when n > limit, d_(limit+1) is itself a token the rule emitted at that
+    position (greedy: the target's argmax; sampled: an exact draw from p), so it becomes the row's
+    next token and the rest is dropped. Exact for every limit.
+    n, next_token, limit [S]; drafts [S, K] (the accepted path for trees) -> (n, next_token)."""
+    cut = n > limit
+    at_limit = jnp.take_along_axis(drafts, jnp.clip(limit, 0, drafts.shape[1] - 1)[:, None], axis=1)[:, 0]
+    return jnp.minimum(n, limit), jnp.where(cut, at_limit, next_token)
 
 
 def _refiner_inputs(parts: SlotParts, statics: SlotStatics) -> RefinerInputs:
@@ -357,11 +384,12 @@ def _refiner_inputs(parts: SlotParts, statics: SlotStatics) -> RefinerInputs:
 
 
 def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None,
-                refined: bool = False) -> SlotState:
-    """Draft a block (and refine it), verify it in one target pass, accept per row (speculative
-    sampling, which is greedy acceptance on greedy rows)."""
+                refined: bool = False, drafts: int | None = None) -> SlotState:
+    """Draft a block (and refine it), verify its first `drafts` tokens (None: all block - 1) in one
+    target pass, accept per row (speculative sampling, which is greedy acceptance on greedy rows).
+    A shorter verify is a cheaper step at a full batch; the draft pass is the same."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
-    block = dcfg.block_size
+    block = dcfg.block_size if drafts is None else drafts + 1
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
     hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
                                 state.context_cache)  # [S, K, d]
@@ -374,6 +402,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     passes = jnp.int32(0)
     if refined:
         logits, draft_index, passes = _refine(parts, state, statics, hidden, logits, draft_index, draft_keys, sampled)
+    logits, draft_index = logits[:, : block - 1], draft_index[:, : block - 1]
     draft, _ = _to_full_vocabulary(draft_index, None, parts.draft_vocab, tcfg.vocab_size)
 
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, Bk]
@@ -392,6 +421,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
         return n[:, 0], next_token[:, 0]
 
     n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, out.logits))
+    n, next_token = _within_limit(n, next_token, draft, state.draft_limit)
     advance = jnp.where(state.done, 0, n + 1)
     context = append_context(parts.drafter, dcfg, state.context_cache, out.hidden, positions, state.lengths,
                              state.lengths + advance)
@@ -468,6 +498,7 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
 
     n, next_token, accepted, cache, features, drafted = jax.lax.switch(
         bucket, [verify_at(size) for size in buckets], nodes)
+    n, next_token = _within_limit(n, next_token, accepted, state.draft_limit)
     advance = jnp.where(state.done, 0, n + 1)
     path_positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [S, K+1]
     context = append_context(parts.drafter, dcfg, state.context_cache, features, path_positions, state.lengths,
@@ -512,6 +543,8 @@ class SlotMethod:
     needs_drafter: bool = True
     needs_refiner: bool = False
     needs_tree: bool = False
+    drafts: int | None = None
+    """Drafts a chain step verifies (None: the drafter's whole block)."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -524,9 +557,17 @@ SLOT_METHODS: dict[str, SlotMethod] = {
 
 
 def slot_method(name: str) -> SlotMethod:
-    if name not in SLOT_METHODS:
-        raise SpecjaxError(f"unknown method {name!r}; serving methods: {', '.join(SLOT_METHODS)}")
-    return SLOT_METHODS[name]
+    """A method of SLOT_METHODS, or a chain verifying fewer drafts than its block: "chain:K" or
+    "chain+refiner:K" (K >= 1), the draft-length tiers an adaptive server switches between."""
+    if name in SLOT_METHODS:
+        return SLOT_METHODS[name]
+    base, sep, drafts = name.partition(":")
+    if sep and base in ("chain", "chain+refiner") and drafts.isdigit() and int(drafts) >= 1:
+        chain = SLOT_METHODS[base]
+        return dataclasses.replace(chain, name=name, one_step=partial(chain.one_step, drafts=int(drafts)),
+                                   drafts=int(drafts))
+    raise SpecjaxError(f"unknown method {name!r}; serving methods: {', '.join(SLOT_METHODS)}, or chain:K and "
+                       f"chain+refiner:K for a chain verifying K drafts")
 
 
 def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None) -> SlotMethod:
@@ -538,6 +579,9 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a tree config", method.needs_tree, statics.tree is not None)) if needed and not there]
     if missing:
         raise SpecjaxError(f"method {name!r} needs {' and '.join(missing)}")
+    if method.drafts is not None and method.drafts > statics.block - 1:
+        raise SpecjaxError(f"method {name!r} verifies {method.drafts} drafts; the drafter's block holds "
+                           f"{statics.block - 1}")
     if method.needs_tree and statics.tree.auto and parts is not None and parts.tree_costs is None:
         raise SpecjaxError(f"method {name!r} sizes trees by measured costs; give SlotParts.tree_costs "
                            f"(or a fixed tree budget)")

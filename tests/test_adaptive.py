@@ -1,0 +1,130 @@
+"""Adaptive speculation: switching methods between steps, per-row draft limits, and the controller.
+
+Exactness first: a slot batch whose method changes at random steps, with random per-row draft
+limits, gives AR's greedy tokens, and its sampled rows follow the target's exact distribution (a
+deliberately broken limit rule fails that check). Then the controller's decisions, on synthetic
+signals and through a live scheduler.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import slots
+from specjax.decode.engine import Engine
+from specjax.decode.tree import TreeConfig
+from specjax.errors import SpecjaxError
+
+from stats import chi_square_pvalue
+from test_decode import TINY
+from test_speculative import SAMPLINGS, _exact_marginals
+
+PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2], [2, 2], [9, 1, 1, 1, 8], [6, 5]]
+SWITCHED = ("ar", "chain", "chain:1", "chain:2", "tree")
+"""Methods a switching test draws from (the tiny drafter's block is 4: 3 drafts)."""
+
+
+def _statics(drafter, rows, depth, eos=(), tree=TreeConfig(budget=4)):
+    """eos: () for sampling checks, whose exact marginals run past EOS."""
+    return slots.SlotStatics(TINY, slots.SlotConfig(slots=rows, cache_length=64, max_new_tokens=depth,
+                                                    steps_per_sync=1, insert_rows=rows), eos, drafter.config,
+                             tree=tree)
+
+
+def _insert(statics, parts, prompts, depth, sampling=None, seed=0, limits=None):
+    rows = len(prompts)
+    width = max(map(len, prompts))
+    tokens = np.zeros((rows, width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    full = lambda v, dt: jnp.full((rows,), v, dt)  # noqa: E731
+    sampling = sampling or SAMPLINGS[0].__class__(temperature=0.0)
+    request = slots.InsertRequest(
+        rows=jnp.arange(rows, dtype=jnp.int32), prompts=jnp.asarray(tokens), prompt_lengths=jnp.asarray(
+            [len(p) for p in prompts], jnp.int32), max_new_tokens=full(depth, jnp.int32),
+        seeds=jnp.arange(rows, dtype=jnp.uint32) + seed * rows,
+        sampling=slots.RowSampling(full(sampling.temperature, jnp.float32), full(sampling.top_k, jnp.int32),
+                                   full(sampling.top_p, jnp.float32)),
+        draft_limit=None if limits is None else jnp.asarray(limits, jnp.int32))
+    return slots.insert(parts, slots.empty_slots(statics), request, statics=statics)
+
+
+def test_chain_tiers_and_limits_are_checked():
+    assert slots.slot_method("chain:2").drafts == 2
+    with pytest.raises(SpecjaxError, match="unknown method"):
+        slots.slot_method("chain:0")
+    with pytest.raises(SpecjaxError, match="unknown method"):
+        slots.slot_method("tree:2")
+
+
+def test_switching_methods_at_random_steps_keeps_greedy_output_equal_to_ar(target, drafter):
+    """Each step runs a method drawn at random, and each row has a random draft limit (0 makes it
+    decode one token per step inside a speculative step): the tokens are AR's, and the drafter's
+    context stays whole through AR steps (speculative steps after them still accept drafts)."""
+    depth = 24
+    statics = _statics(drafter, len(PROMPTS), depth, eos=tuple(target.eos_token_ids))
+    parts = slots.slot_parts(statics, target.params, drafter.params)
+    rng = np.random.default_rng(0)
+    limits = [0, 3, 1, 2, 3, 3]
+    state = _insert(statics, parts, PROMPTS, depth, limits=limits)
+    methods = []
+    while not bool(state.done.all()):
+        methods.append(SWITCHED[rng.integers(len(SWITCHED))])
+        state = slots.step(parts, state, method=methods[-1], statics=statics)
+    assert len(set(methods)) == len(SWITCHED)
+    expected = Engine(target).generate(PROMPTS, depth).tokens
+    tokens, counts = np.asarray(state.tokens), np.asarray(state.num_generated)
+    for row, want in enumerate(expected):
+        assert tokens[row, : counts[row]].tolist() == want, (row, methods)
+    histogram = np.asarray(state.accepted_histogram)
+    assert histogram[0, 1:].sum() == 0  # the limit-0 row never committed a draft
+    assert histogram[1:, 1:].sum() > 0  # the others did, after AR steps too
+
+
+def _switched_samples(target, drafter, sampling, prompt, count, depth, seed, methods, limits):
+    statics = _statics(drafter, count, depth)
+    parts = slots.slot_parts(statics, target.params, drafter.params)
+    state = _insert(statics, parts, [prompt] * count, depth, sampling, seed, limits)
+    for method in methods:
+        if bool(state.done.all()):
+            break
+        state = slots.step(parts, state, method=method, statics=statics)
+    assert bool(state.done.all())
+    return np.asarray(state.tokens[:, :depth]), np.asarray(state.accepted_histogram)
+
+
+def _forced_switching_pvalues(target, drafter, seed):
+    sampling, prompt, depth, count = SAMPLINGS[0], [1, 5, 2], 3, 10_000
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth)
+    methods = ["chain:1", "ar", "tree", "chain", "chain:2", "chain"]
+    limits = np.random.default_rng(seed).integers(0, 4, count)
+    out, histogram = _switched_samples(target, drafter, sampling, prompt, count, depth, seed, methods, limits)
+    assert 0.05 < histogram[:, 1:].sum() / histogram.sum() < 0.99  # drafts both accepted and rejected
+    return [chi_square_pvalue(np.bincount(out[:, i], minlength=TINY.vocab_size), exact[i]) for i in range(depth)]
+
+
+def test_forced_switching_and_row_limits_sample_the_exact_target_distribution(target, drafter):
+    """Methods switched between steps and per-row limits of 0-3 drafts keep every position's
+    marginal the target's."""
+    for position, pvalue in enumerate(_forced_switching_pvalues(target, drafter, seed=11)):
+        assert pvalue > 1e-3, f"token {position + 1}: p = {pvalue}"
+
+
+def test_a_broken_limit_rule_fails_the_distribution_check(target, drafter, monkeypatch):
+    """Cutting at the limit but taking the last kept draft as the next token (instead of the draft
+    the rule emitted after it) repeats a token: the check sees it."""
+    def broken(n, next_token, drafts, limit):
+        cut = n > limit
+        previous = jnp.take_along_axis(drafts, jnp.clip(limit - 1, 0, drafts.shape[1] - 1)[:, None], axis=1)[:, 0]
+        return jnp.minimum(n, limit), jnp.where(cut & (limit > 0), previous, next_token)
+
+    monkeypatch.setattr(slots, "_within_limit", broken)
+    jax.clear_caches()
+    try:
+        pvalues = _forced_switching_pvalues(target, drafter, seed=12)
+    finally:
+        jax.clear_caches()
+    assert min(pvalues) < 1e-6, pvalues
