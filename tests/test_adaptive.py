@@ -128,3 +128,108 @@ def test_a_broken_limit_rule_fails_the_distribution_check(target, drafter, monke
     finally:
         jax.clear_caches()
     assert min(pvalues) < 1e-6, pvalues
+
+
+# ---- the controller, on synthetic signals ----
+
+from specjax.serve.controller import Controller, ControllerConfig  # noqa: E402
+
+BLOCK = 8
+BATCH_ONE = {"ar": 1.0, "chain:3": 1.3, "chain": 1.4}
+"""Seconds per call at one row: verifying a block costs little more than one token."""
+FULL_BATCH = {"ar": 1.0, "chain:3": 3.5, "chain": 7.0}
+"""At a full batch verification is no longer cheap."""
+
+
+def _controller(**kw) -> Controller:
+    kw.setdefault("probe_every", 0)
+    controller = Controller(("ar", "chain:3", "chain"), BLOCK, ControllerConfig(**kw))
+    for policy in controller.policies:
+        controller.mark_ready(policy, {1: BATCH_ONE[policy], 32: FULL_BATCH[policy]})
+    return controller
+
+
+def _observe_chain(controller, rate, steps=100, rows=1, seconds=None, policy="chain"):
+    """A call of `policy` whose every draft position is accepted with probability `rate`."""
+    drafts = controller.drafts[policy]
+    verified = np.array([steps * rate**j if j < drafts else 0 for j in range(BLOCK - 1)])
+    reached = np.array([steps * rate ** (j + 1) if j < drafts else 0 for j in range(BLOCK - 1)])
+    committed = steps + reached.sum()
+    table = BATCH_ONE if rows == 1 else FULL_BATCH
+    controller.observe_call(policy, rows, 128, seconds or table[policy], steps, committed, reached, verified)
+
+
+def test_the_controller_picks_the_longest_chain_at_batch_one_and_ar_at_a_full_batch():
+    controller = _controller()
+    assert controller.current == "chain"  # the start: the longest chain, which measures every position
+    _observe_chain(controller, 0.8)
+    assert controller.tokens_per_row_step("chain") == pytest.approx(1 + sum(0.8**i for i in range(1, 8)))
+    assert controller.tokens_per_row_step("chain", limit=0) == 1.0
+    assert controller.decide(1, 128, [None]).policy == "chain"
+    decisions = [controller.decide(32, 128, [None] * 32) for _ in range(3)]
+    # Dropped within `patience` decisions once it stops paying, not at the first.
+    assert [d.policy for d in decisions] == ["chain", "chain", "ar"], decisions
+    assert decisions[-1].reason == "faster" and controller.switches == {"faster": 1}
+    values = decisions[-1].predicted_tokens_per_s
+    assert values["ar"] == pytest.approx(32 / 1.0) and values["chain"] == pytest.approx(32 * 4.16 / 7.0, rel=0.01)
+
+
+def test_rows_that_opted_out_count_one_token_per_step():
+    controller = _controller()
+    _observe_chain(controller, 0.9)
+    # Most rows limited to 0 drafts: speculation cannot pay for its verify cost at batch one either.
+    decision = controller.decide(1, 128, [0])
+    assert decision.predicted_tokens_per_s["ar"] > decision.predicted_tokens_per_s["chain"]
+
+
+def test_noise_near_a_tie_does_not_make_the_controller_thrash():
+    """Two policies within 3% of each other, measured costs jittering by 5%: hysteresis holds."""
+    controller = _controller(patience=3, margin=0.08)
+    rng = np.random.default_rng(0)
+    _observe_chain(controller, 0.5)
+    # chain:3 predicts 1.875 tokens at 1.3 s; make chain's cost give nearly the same value.
+    tie = controller.tokens_per_row_step("chain") / controller.tokens_per_row_step("chain:3") * 1.3 * 1.03
+    controller.startup_s["chain", 1] = tie
+    for _ in range(200):
+        policy = controller.decide(1, 128, [None]).policy
+        _observe_chain(controller, 0.5, seconds=controller.startup_s[policy, 1] * rng.uniform(0.95, 1.05),
+                       policy=policy)
+    assert sum(controller.switches.values()) <= 1, controller.switches
+
+
+def test_measured_slowdowns_refit_the_costs_online():
+    controller = _controller()
+    _observe_chain(controller, 0.8)
+    assert controller.decide(1, 128, [None]).policy == "chain"
+    # The chain's calls turn out 4x slower than at start-up (say, another job took the cores' caches).
+    for _ in range(10):
+        _observe_chain(controller, 0.8, seconds=4 * BATCH_ONE["chain"])
+    assert controller.seconds_per_call("chain", 1, 128) > 3 * BATCH_ONE["chain"]
+    # The drift is per shape and shared, so every policy's prediction at it rose alike: no switch.
+    assert controller.decide(1, 128, [None]).policy == "chain"
+
+
+def test_stale_policies_are_probed_and_pins_win():
+    controller = _controller(probe_every=5)
+    _observe_chain(controller, 0.8)
+    probes = []
+    for _ in range(12):
+        decision = controller.decide(1, 128, [None])
+        probes.append(decision.reason)
+        _observe_chain(controller, 0.8, policy=decision.policy) if decision.policy != "ar" else \
+            controller.observe_call("ar", 1, 128, 1.0, 100, 100, np.zeros(BLOCK - 1), np.zeros(BLOCK - 1))
+    assert probes.count("probe") >= 2 and controller.current == "chain"
+    controller.pin("ar")
+    assert controller.decide(1, 128, [None]).policy == "ar"
+    with pytest.raises(SpecjaxError, match="not compiled"):
+        controller.pin("tree")
+
+
+def test_the_memory_alarm_projects_growth_before_the_budget():
+    controller = Controller(("ar",), 1, ControllerConfig(kv_budget_bytes=1000, kv_horizon_s=3.0, ema=1.0))
+    assert not controller.observe_memory(100, 0.0).alarm
+    state = controller.observe_memory(300, 1.0)  # +200 B/s: 3.5 s to the budget
+    assert not state.alarm and state.seconds_to_budget == pytest.approx(3.5)
+    state = controller.observe_memory(500, 2.0)  # 2.5 s: inside the horizon, still under 90%
+    assert state.alarm and state.bytes_in_use < 900
+    assert controller.observe_memory(950, 100.0).alarm  # past the high water mark, growing or not

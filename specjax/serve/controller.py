@@ -1,0 +1,268 @@
+"""The adaptive server's controller: which precompiled decoding policy the next device call runs.
+
+Objective: expected committed tokens per second at the current batch,
+
+    value(policy) = sum over live rows of E[tokens per step | policy, row]  /  seconds per step(policy),
+
+Bastion's tree-size rule generalised from one sequence to a batch and to a choice of methods.
+
+- E[tokens per step] of a chain verifying k drafts is 1 + sum_{i<=k} prod_{j<=i} c_j, with c_j the
+  EMA of the conditional acceptance at draft position j (a step that reached position j-1 and
+  verified position j accepted it). Every chain tier shares these estimates, so running one tier
+  informs the others. AR commits 1. Other policies (trees, refined chains) use the EMA of their own
+  observed tokens per row step, and the full chain's prediction until they have run.
+- Seconds per step comes from one timed call of every (policy, live-row bucket) at start-up, times
+  a drift factor per (row bucket, attention length) refitted online from every measured call: a
+  step that runs slower than its start-up time slows every policy's prediction at that shape.
+- Hysteresis: a challenger must be predicted `margin` faster at `patience` consecutive decisions
+  before the controller switches, so a policy that stops paying is dropped within patience x
+  steps_per_sync steps, and noise near a tie never flips it (vLLM's threshold thrash).
+- Policies not run lately are probed for one call every `probe_every` calls, so estimates of a
+  policy that became good again are not stuck at old values.
+- Memory: bytes in use and their growth give a projected time to the KV budget; crossing the high
+  water mark or a projection inside the horizon raises the alarm, and the scheduler preempts.
+
+Nothing here touches devices or HTTP: the scheduler feeds it numbers and asks for decisions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from specjax.errors import SpecjaxError, check_at_least
+from specjax.decode.slots import slot_method
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    """How the adaptive server chooses among its precompiled policies."""
+
+    policies: tuple[str, ...] | None = None
+    """Policies to compile and choose among (methods of `slots.slot_method`, e.g. "ar", "chain:3",
+    "chain", "tree"). None: ar, chain:3, chain:7 (those shorter than the block) and chain."""
+    start: str | None = None
+    """The policy served while the others compile and before anything is measured (None: the
+    longest chain)."""
+    ema: float = 0.25
+    """Weight of the newest observation in every moving average."""
+    margin: float = 0.08
+    """A challenger must be predicted this fraction faster than the current policy."""
+    patience: int = 3
+    """Consecutive decisions a challenger must win before the switch."""
+    probe_every: int = 48
+    """Device calls between probes of a policy not run for that long (0: never probe)."""
+    kv_budget_bytes: int | None = None
+    """Bytes of KV (target and drafter) the server may hold; None: the slots' whole capacity."""
+    kv_high_water: float = 0.9
+    """Fraction of the budget at which the alarm is raised whatever the growth."""
+    kv_horizon_s: float = 3.0
+    """Alarm when the bytes in use, growing at their recent rate, would reach the budget this soon."""
+
+    def __post_init__(self):
+        if not 0.0 < self.ema <= 1.0:
+            raise SpecjaxError(f"ema must be in (0, 1], got {self.ema}")
+        if not 0.0 <= self.margin < 1.0:
+            raise SpecjaxError(f"margin must be in [0, 1), got {self.margin}")
+        if not 0.0 < self.kv_high_water <= 1.0:
+            raise SpecjaxError(f"kv_high_water must be in (0, 1], got {self.kv_high_water}")
+        check_at_least(1, patience=self.patience)
+        check_at_least(0, probe_every=self.probe_every)
+        if self.kv_budget_bytes is not None:
+            check_at_least(1, kv_budget_bytes=self.kv_budget_bytes)
+
+    def policy_set(self, block: int, has_tree: bool = False) -> tuple[str, ...]:
+        """The policies to compile for a drafter of this block (trees only when asked for)."""
+        if self.policies is not None:
+            return tuple(dict.fromkeys(self.policies))
+        tiers = tuple(f"chain:{k}" for k in (3, 7) if k < block - 1)
+        return ("ar",) + tiers + ("chain",) + (("tree",) if has_tree else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    policy: str
+    reason: str
+    """Why this policy: "start", "hold", "faster", "probe", "pinned" or "ready"."""
+    predicted_tokens_per_step: float
+    """Committed tokens the controller expects per step over the live rows."""
+    predicted_tokens_per_s: dict[str, float]
+    """Every ready policy's predicted committed tokens per second at this batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryState:
+    bytes_in_use: int
+    budget: int
+    growth_bytes_per_s: float
+    seconds_to_budget: float
+    """inf when not growing."""
+    alarm: bool
+
+
+class Controller:
+    """Chooses the next call's policy from measured step costs and acceptance."""
+
+    def __init__(self, policies: Sequence[str], block: int, config: ControllerConfig = ControllerConfig(),
+                 capacity_bytes: int | None = None):
+        if not policies:
+            raise SpecjaxError("the adaptive controller needs at least one policy")
+        self.config, self.block = config, block
+        self.policies = tuple(policies)
+        self.drafts = {p: self._drafts(p) for p in self.policies}
+        start = config.start or max(self.policies, key=lambda p: (self.drafts[p], p == "chain"))
+        if start not in self.policies:
+            raise SpecjaxError(f"start policy {start!r} is not among the policies {self.policies}")
+        self.current = start
+        self.ready: set[str] = set()
+        self.pinned: str | None = None
+        # c_j, j = 1..block-1: conditional acceptance at draft position j (prior 0.5: no opinion).
+        self.acceptance = np.full(max(block - 1, 0), 0.5)
+        self.acceptance_seen = np.zeros(max(block - 1, 0), bool)
+        self.observed_tau: dict[str, float] = {}
+        self.startup_s: dict[tuple[str, int], float] = {}
+        self.drift: dict[tuple[int, int], float] = {}
+        self.last_run: dict[str, int] = {}
+        self.calls = 0
+        self._challenger: str | None = None
+        self._wins = 0
+        self.switches: dict[str, int] = {}
+        budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else capacity_bytes
+        self.kv_budget = budget
+        self._memory: tuple[float, int] | None = None
+        self._growth = 0.0
+
+    def _drafts(self, policy: str) -> int | None:
+        """Drafts a chain policy verifies (0 for ar); None for policies estimated from their own runs."""
+        method = slot_method(policy)
+        if not method.needs_drafter:
+            return 0
+        if method.needs_tree or method.needs_refiner:
+            return None
+        return self.block - 1 if method.drafts is None else method.drafts
+
+    # ---- what the scheduler reports ----
+
+    def mark_ready(self, policy: str, startup_seconds: dict[int, float]) -> None:
+        """The policy's steps are compiled; startup_seconds: one timed call per live-row bucket."""
+        self.ready.add(policy)
+        for rows, seconds in startup_seconds.items():
+            self.startup_s[policy, rows] = seconds
+
+    def observe_call(self, policy: str, rows: int, attend: int, seconds: float, row_steps: int, committed: int,
+                     reached: np.ndarray, verified: np.ndarray) -> None:
+        """One device call: its wall seconds; row_steps = sum over rows of the steps they took;
+        committed tokens; reached[j-1] = steps that accepted draft position j, verified[j-1] = steps
+        that verified position j after accepting j-1 (chains)."""
+        a = self.config.ema
+        base = self.startup_s.get((policy, rows))
+        if base:
+            key = (rows, attend)
+            self.drift[key] = (1 - a) * self.drift.get(key, seconds / base) + a * seconds / base
+        if row_steps:
+            tau = committed / row_steps
+            self.observed_tau[policy] = (1 - a) * self.observed_tau.get(policy, tau) + a * tau
+        for j in range(len(self.acceptance)):
+            if verified[j] > 0:
+                rate = reached[j] / verified[j]
+                # Weighted by how many steps verified the position, so a handful does not swing it.
+                w = 1 - (1 - a) ** min(verified[j], 8)
+                self.acceptance[j] = rate if not self.acceptance_seen[j] else (1 - w) * self.acceptance[j] + w * rate
+                self.acceptance_seen[j] = True
+        self.last_run[policy] = self.calls
+        self.calls += 1
+
+    def observe_memory(self, bytes_in_use: int, now: float) -> MemoryState:
+        a = self.config.ema
+        if self._memory is not None and now > self._memory[0]:
+            rate = (bytes_in_use - self._memory[1]) / (now - self._memory[0])
+            self._growth = (1 - a) * self._growth + a * rate
+        self._memory = (now, bytes_in_use)
+        budget = self.kv_budget or 0
+        if not budget:
+            return MemoryState(bytes_in_use, 0, self._growth, math.inf, False)
+        left = budget - bytes_in_use
+        to_budget = left / self._growth if self._growth > 0 else math.inf
+        alarm = bytes_in_use >= self.config.kv_high_water * budget or to_budget < self.config.kv_horizon_s
+        return MemoryState(bytes_in_use, budget, self._growth, max(to_budget, 0.0), alarm)
+
+    # ---- predictions ----
+
+    def tokens_per_row_step(self, policy: str, limit: int | None = None) -> float:
+        """Expected committed tokens of one row in one step of the policy (limit: the row's draft limit)."""
+        drafts = self.drafts[policy]
+        limit = self.block - 1 if limit is None else min(limit, self.block - 1)
+        if drafts is None:  # until it has run: the full chain's prediction
+            tau = self.observed_tau.get(policy, 1.0 + float(np.cumprod(self.acceptance).sum()))
+            # A limited row keeps the share of the extra tokens its limit allows (a rough scale).
+            return 1.0 + (tau - 1.0) * limit / max(self.block - 1, 1)
+        return 1.0 + float(np.cumprod(self.acceptance[: min(drafts, limit)]).sum())
+
+    def seconds_per_call(self, policy: str, rows: int, attend: int) -> float | None:
+        base = self.startup_s.get((policy, rows))
+        if base is None:
+            return None
+        return base * self.drift.get((rows, attend), 1.0)
+
+    def predicted(self, rows: int, attend: int, limits: Sequence[int]) -> dict[str, float]:
+        """Committed tokens per second of every ready policy with a cost at this shape."""
+        out = {}
+        for policy in sorted(self.ready):
+            seconds = self.seconds_per_call(policy, rows, attend)
+            if seconds:
+                out[policy] = sum(self.tokens_per_row_step(policy, limit) for limit in limits) / seconds
+        return out
+
+    # ---- the decision ----
+
+    def pin(self, policy: str | None) -> None:
+        """Serve this policy whatever the estimates (a request's method override), or unpin."""
+        if policy is not None and policy not in self.policies:
+            raise SpecjaxError(f"policy {policy!r} is not compiled on this server; compiled: {', '.join(self.policies)}")
+        self.pinned = policy
+
+    def decide(self, rows: int, attend: int, limits: Sequence[int], steps_per_call: int = 1) -> Decision:
+        """The policy for the next call. rows: the live-row bucket it runs at; limits: each live row's
+        draft limit (None for no limit)."""
+        values = self.predicted(rows, attend, limits)
+        per_step = lambda p: sum(self.tokens_per_row_step(p, l) for l in limits)  # noqa: E731
+        if self.pinned is not None and self.pinned in self.ready:
+            return self._switch(self.pinned, "pinned", per_step, values)
+        if self.current not in self.ready:
+            ready = [p for p in self.policies if p in self.ready]
+            if not ready:
+                return Decision(self.current, "start", per_step(self.current), values)
+            return self._switch(max(ready, key=lambda p: values.get(p, 0.0)), "ready", per_step, values)
+        # Probe: one call of a policy whose estimates have gone stale (or that never ran).
+        every = self.config.probe_every
+        if every:
+            stale = [p for p in sorted(self.ready) if p != self.current
+                     and self.calls - self.last_run.get(p, -every) >= every]
+            if stale:
+                probe = min(stale, key=lambda p: self.last_run.get(p, -10**9))
+                self.last_run[probe] = self.calls  # so the probe is not repeated before it reports
+                return self._decided(probe, "probe", per_step, values, count=True, keep_current=True)
+        best = max(values, key=values.get) if values else self.current
+        current_value = values.get(self.current, 0.0)
+        if best != self.current and values[best] > (1 + self.config.margin) * current_value:
+            self._wins = self._wins + 1 if best == self._challenger else 1
+            self._challenger = best
+            if self._wins >= self.config.patience:
+                self._wins, self._challenger = 0, None
+                return self._switch(best, "faster", per_step, values)
+        else:
+            self._wins, self._challenger = 0, None
+        return Decision(self.current, "hold", per_step(self.current), values)
+
+    def _switch(self, policy, reason, per_step, values) -> Decision:
+        return self._decided(policy, reason, per_step, values, count=policy != self.current)
+
+    def _decided(self, policy, reason, per_step, values, count: bool, keep_current: bool = False) -> Decision:
+        if count:
+            self.switches[reason] = self.switches.get(reason, 0) + 1
+        if not keep_current:
+            self.current = policy
+        return Decision(policy, reason, per_step(policy), values)
