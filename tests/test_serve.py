@@ -141,8 +141,8 @@ def test_steps_compute_only_the_rows_in_use_after_packing_them(target, drafter, 
     assert scheduler.row_buckets == (1, 4)
     stepped, moved = [], []
     compiled_step, move_row = scheduler._compiled_step, slots.move_row
-    monkeypatch.setattr(scheduler, "_compiled_step", lambda length, rows: (stepped.append(rows),
-                                                                           compiled_step(length, rows))[1])
+    monkeypatch.setattr(scheduler, "_compiled_step", lambda policy, length, rows: (
+        stepped.append(rows), compiled_step(policy, length, rows))[1])
     monkeypatch.setattr(slots, "move_row", lambda state, source, target: (moved.append((source, target)),
                                                                           move_row(state, source, target))[1])
     prompts, limits = PROMPTS[:3], [3, 24, 2]  # the long request sits in slot 1, between two short ones

@@ -59,6 +59,31 @@ class ServingMetrics:
         self.current_method = Gauge("specjax:method_info", "The decoding method in use (value 1)", ["method"],
                                     registry=r)
         self.current_method.labels(method=method).set(1)
+        # The adaptive controller's decisions, predictions and the memory alarm it acts on.
+        self.policy_info = Gauge("specjax:policy_info", "The policy the last device call ran (value 1; others 0)",
+                                 ["policy"], registry=r)
+        self.switches = Counter("specjax:policy_switches", "Policy changes by reason (faster, probe, pinned, ready)",
+                                ["reason"], registry=r)
+        self.predicted_per_step = Gauge("specjax:controller_predicted_tokens_per_step",
+                                        "Committed tokens per step the controller expected of its choice", registry=r)
+        self.measured_per_step = Gauge("specjax:controller_measured_tokens_per_step",
+                                       "Committed tokens per step the last call measured", registry=r)
+        self.predicted_rate = Gauge("specjax:controller_predicted_tokens_per_second",
+                                    "Each ready policy's predicted committed tokens per second at the current batch",
+                                    ["policy"], registry=r)
+        self.arrival_rate = Gauge("specjax:arrival_rate_per_second", "Requests per second over the last 64 arrivals",
+                                  registry=r)
+        self.kv_budget = Gauge("specjax:kv_cache_budget_bytes", "The KV budget (0: none set)", registry=r)
+        self.kv_to_budget = Gauge("specjax:kv_cache_projected_seconds_to_budget",
+                                  "Seconds until the bytes in use reach the budget at their recent growth (-1: never)",
+                                  registry=r)
+        self.kv_alarm = Gauge("specjax:kv_cache_alarm", "1 while the KV projection or high water mark is alarmed",
+                              registry=r)
+        self.preemptions = Counter("specjax:preemptions", "Requests preempted (recomputed later) under KV pressure",
+                                   registry=r)
+        self.distinct = Gauge("specjax:output_distinct_n", "Mean distinct-n of the last 64 finished outputs "
+                              "(repetition shows as a low value)", ["n"], registry=r)
+        self._distinct: dict[str, list[float]] = {"2": [], "3": []}
         histogram = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.ttft = histogram("specjax:time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("specjax:inter_token_latency_seconds", "Gap between streamed chunks, per token")
@@ -118,9 +143,41 @@ class ServingMetrics:
             self.peak.labels(resource=resource).set(peak)
             self.utilization.labels(resource=resource).set(achieved / peak if peak else 0.0)
 
+    def policy(self, policy: str, reason: str | None) -> None:
+        """The next calls run `policy`; reason: why it changed (None at start-up)."""
+        for sample in list(self.policy_info.collect()[0].samples):
+            self.policy_info.labels(policy=sample.labels["policy"]).set(0)
+        self.policy_info.labels(policy=policy).set(1)
+        if reason is not None:
+            self.switches.labels(reason=reason).inc()
+
+    def controller(self, predicted_tokens_per_step: float, predicted_tokens_per_s: dict[str, float],
+                   arrival_rate: float) -> None:
+        self.predicted_per_step.set(predicted_tokens_per_step)
+        for policy, value in predicted_tokens_per_s.items():
+            self.predicted_rate.labels(policy=policy).set(value)
+        self.arrival_rate.set(arrival_rate)
+
+    def measured_tokens_per_step(self, value: float) -> None:
+        self.measured_per_step.set(value)
+
+    def memory_budget(self, budget: int, seconds_to_budget: float, alarm: bool) -> None:
+        self.kv_budget.set(budget)
+        self.kv_to_budget.set(seconds_to_budget if seconds_to_budget != float("inf") else -1)
+        self.kv_alarm.set(1 if alarm else 0)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()
+
     def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
         self.requests.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_seconds)
+        for n, values in self._distinct.items():
+            value = None if record is None else record.get(f"distinct_{n}")
+            if value is not None:
+                values.append(value)
+                del values[:-64]
+                self.distinct.labels(n=n).set(sum(values) / len(values))
         if self._log is not None and record is not None:
             with self._lock:
                 self._log.write(json.dumps({"time": time.time(), **record}) + "\n")

@@ -40,6 +40,7 @@ from specjax.models.cache import tree_bytes
 from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
+from specjax.serve.controller import Controller, ControllerConfig
 
 log = logging.getLogger("specjax.serve")
 
@@ -48,8 +49,13 @@ log = logging.getLogger("specjax.serve")
 class ServeConfig:
     """How the serving engine is shaped; all of it is fixed at start-up."""
 
-    method: str = "chain"
-    """A method of `specjax.decode.slots.SLOT_METHODS`."""
+    method: str = "adaptive"
+    """"adaptive": the controller chooses among precompiled policies (`controller`) at every device
+    call; or one fixed method of `specjax.decode.slots.slot_method` ("ar", "chain", "chain:3", "tree",
+    ...) for comparison."""
+    controller: ControllerConfig = ControllerConfig()
+    """The adaptive controller's policies, hysteresis and KV budget (the budget also gates admission
+    and preemption under a fixed method)."""
     slots: int = 8
     """Requests decoding at once."""
     context_length: int = 1024
@@ -100,6 +106,11 @@ class Request:
     """None: a fresh seed per request (sampled requests then differ run to run)."""
     stop: tuple[str, ...] = ()
     """Strings that end the output (not included in it); needs a tokenizer."""
+    speculation: bool = True
+    """False: the request commits one token per step whatever the batch runs (its draft limit is 0)."""
+    method: str | None = None
+    """A policy this server compiled, for experiments: "ar" limits the row to 0 drafts, "chain:K" to K,
+    and any other pins the batch's policy while the request runs. None: the server's choice."""
 
 
 @dataclasses.dataclass
@@ -138,6 +149,9 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.cancelled = False
+        # Carried across a preemption: the tokens streamed so far and the counters of earlier residencies.
+        self._resume: list[int] = []
+        self._carry: dict[str, Any] = {}
 
     # ---- called by the scheduler thread ----
 
@@ -229,10 +243,23 @@ class _Live:
     seed: int = 0
     prefilled: int = 0
     """Prompt tokens in the slot's cache so far (chunked prefill)."""
+    generated_reported: int = 0
+    """Committed tokens of this residency at the last sync (for the controller's count)."""
+    resumed: list[int] = dataclasses.field(default_factory=list)
+    """Tokens generated before a preemption; the slot's prompt is the request's prompt plus these."""
+    draft_limit: int = 0
+    histogram_reported: np.ndarray | None = None
+    """The row's accepted-length histogram at the last sync (for the controller's count)."""
+    policy_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Verify steps this request took under each batch policy."""
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return tuple(self.handle.request.prompt) + tuple(self.resumed)
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.handle.request.prompt)
+        return self.prefilled < len(self.prompt)
 
 
 class Scheduler:
@@ -243,16 +270,27 @@ class Scheduler:
                  latency_cache: Path | None = None):
         """refiner: for the +refiner methods. latency_cache: where measured tree costs are kept
         between processes (default $SPECJAX_CACHE/latency)."""
-        method = slot_api.slot_method(config.method)
-        if method.needs_drafter and drafter is None:
-            raise SpecjaxError(f"method {config.method!r} needs a drafter")
-        if method.needs_refiner and refiner is None:
-            raise SpecjaxError(f"method {config.method!r} needs a refiner")
-        if drafter is not None and method.needs_drafter:
+        self.adaptive = config.method == "adaptive"
+        if self.adaptive:
+            if drafter is None:
+                log.warning("adaptive serving without a drafter: the only policy is ar")
+                self.policies = ("ar",)
+            else:
+                self.policies = config.controller.policy_set(drafter.config.block_size)
+        else:
+            self.policies = (config.method,)
+        methods = [slot_api.slot_method(p) for p in self.policies]
+        needs = lambda what: any(getattr(m, what) for m in methods)  # noqa: E731
+        for m in methods:
+            if m.needs_drafter and drafter is None:
+                raise SpecjaxError(f"method {m.name!r} needs a drafter")
+            if m.needs_refiner and refiner is None:
+                raise SpecjaxError(f"method {m.name!r} needs a refiner")
+        if drafter is not None and needs("needs_drafter"):
             check_pair(drafter, model.config)
         else:
             drafter = None
-        if refiner is not None and method.needs_refiner:
+        if refiner is not None and needs("needs_refiner"):
             check_refiner(refiner, drafter)
         else:
             refiner = None
@@ -269,7 +307,7 @@ class Scheduler:
             target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
             drafter_config=None if drafter is None else drafter.config,
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
-            tree=config.tree if method.needs_tree else None)
+            tree=config.tree if needs("needs_tree") else None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
         # committed tokens; sliding layers keep KV rings that hold that much past their window.
         self.step_slack = max(statics.step_writes, model.config.query_rows or 1)
@@ -289,10 +327,11 @@ class Scheduler:
                                          None if drafter is None else drafter.draft_vocab,
                                          None if refiner is None else refiner.params)
         self.latency: LatencyModel | None = None
-        if method.needs_tree and config.tree.auto:
+        if needs("needs_tree") and config.tree.auto:
             self.latency = self._tree_latency(latency_cache)
             self.parts = self.parts.replace(tree_costs=self.latency.costs())
-        slot_api.check_method(config.method, self.statics, self.parts)
+        for policy in self.policies:
+            slot_api.check_method(policy, self.statics, self.parts)
         self.metrics = ServingMetrics(config.method, metrics_log)
         self._work_shape = StepShape(
             model.config, tree_bytes(model.params), config.slots,
@@ -306,6 +345,13 @@ class Scheduler:
             per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
             if per_token:
                 self._bytes_per_token["drafter"] = per_token
+        self.controller = Controller(self.policies, self.statics.block, config.controller)
+        self.policy = self.controller.current
+        self._pins: dict[int, str] = {}  # slot -> policy its request pinned
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=64)
+        self._device_lock = threading.Lock()  # device calls of the scheduler and of background measuring
+        self.memory_state = None
+        self._compiler: threading.Thread | None = None
 
         self._state = slot_api.empty_slots(self.statics)
         self._waiting: collections.deque[tuple[RequestHandle, float]] = collections.deque()
@@ -317,8 +363,12 @@ class Scheduler:
         self._accepting = True
         self._compiled: dict[str, Any] = {}
         self.compile_seconds = 0.0
+        self.metrics.policy(self.policy, None)
         if compile_now:
             self.compile()
+        else:  # jit compiles on first use; the controller still needs every policy's measured cost
+            for policy in self.policies:
+                self._make_ready(policy, compile_steps=False)
         self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
         self._thread.start()
 
@@ -355,8 +405,10 @@ class Scheduler:
         return next(b for b in self.prompt_buckets if b >= length)
 
     def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p, final=(True,),
-                        offsets=None):
+                        offsets=None, limits=None):
+        limits = [self.statics.block - 1] * len(rows) if limits is None else limits
         return slot_api.InsertRequest(
+            draft_limit=jnp.asarray(limits, jnp.int32),
             final=jnp.asarray(final, bool), offsets=None if offsets is None else jnp.asarray(offsets, jnp.int32),
             rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
             prompt_lengths=jnp.asarray(lengths, jnp.int32), max_new_tokens=jnp.asarray(max_new, jnp.int32),
@@ -364,14 +416,65 @@ class Scheduler:
             sampling=slot_api.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
                                           jnp.asarray(top_p, jnp.float32)))
 
-    def compile(self) -> None:
-        """Compile the step and one insert per prompt bucket now, so no request waits for XLA."""
-        started = time.perf_counter()
+    def _compile_steps(self, policy: str) -> None:
         for length in self.attend_buckets:
             for rows in self.row_buckets:
-                self._compiled["step", length, rows] = slot_api.step.lower(
-                    self.parts, self._state, method=self.config.method, statics=self.statics,
-                    attend_slots=length, rows=rows).compile()
+                self._compiled["step", policy, length, rows] = slot_api.step.lower(
+                    self.parts, self._state, method=policy, statics=self.statics, attend_slots=length,
+                    rows=rows).compile()
+
+    def _make_ready(self, policy: str, compile_steps: bool = True) -> None:
+        """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
+        attention length, with every row live), and hand both to the controller."""
+        if compile_steps:
+            self._compile_steps(policy)
+        attend = self.attend_buckets[0]
+        filled = max(1, min(attend // 2, attend - self.config.steps_per_sync * self.step_slack - 1))
+        costs = {}
+        with self._device_lock:
+            scratch = slot_api.empty_slots(self.statics)
+            scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
+                                      done=jnp.zeros_like(scratch.done),
+                                      max_new_tokens=jnp.full_like(scratch.max_new_tokens, self.config.max_new_tokens))
+            for rows in self.row_buckets:
+                run = self._compiled_step(policy, attend, rows)
+                scratch = run(self.parts, scratch)  # warm (and, without compile_steps, compile)
+                jax.block_until_ready(scratch.lengths)
+                scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
+                                          done=jnp.zeros_like(scratch.done),
+                                          num_generated=jnp.zeros_like(scratch.num_generated))
+                jax.block_until_ready(scratch.lengths)
+                started = time.perf_counter()
+                scratch = run(self.parts, scratch)
+                jax.block_until_ready(scratch.lengths)
+                costs[rows] = time.perf_counter() - started
+                scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
+                                          done=jnp.zeros_like(scratch.done),
+                                          num_generated=jnp.zeros_like(scratch.num_generated))
+            del scratch
+        self.controller.mark_ready(policy, costs)
+        log.info("policy %s ready: %s s per call by live-row bucket", policy,
+                 ", ".join(f"{r}: {c:.3f}" for r, c in costs.items()))
+
+    def _compile_rest(self, policies: tuple[str, ...]) -> None:
+        started = time.perf_counter()
+        for policy in policies:
+            if self._stopping:
+                return
+            try:
+                self._make_ready(policy)
+            except Exception:  # noqa: BLE001 - a policy that fails to compile is left out, not fatal
+                log.exception("policy %s failed to compile; the controller will not use it", policy)
+        print(f"[specjax] adaptive: {len(self.controller.ready)} policies ready "
+              f"({', '.join(sorted(self.controller.ready))}); the rest compiled in the background in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+    def compile(self, background: bool = True) -> None:
+        """Compile the steps and one insert per prompt bucket now, so no request waits for XLA. An
+        adaptive server compiles its start policy here and the others on a background thread
+        (background=False: here too); the controller uses a policy only once it is compiled."""
+        started = time.perf_counter()
+        self._make_ready(self.policy)
         for rows in self.insert_sizes:
             for bucket in self.prompt_buckets:
                 request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
@@ -384,14 +487,23 @@ class Scheduler:
                                            [0.0], [0], [1.0], offsets=[0])
             self._compiled["extend"] = slot_api.insert.lower(self.parts, self._state, request,
                                                              statics=self.statics).compile()
-        method = slot_api.slot_method(self.config.method)
-        if method.needs_drafter and self.latency is None:  # trees split by their latency model
-            self.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics, method.needs_refiner)
+        chains = [slot_api.slot_method(p) for p in self.policies]
+        chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
+        if chains:  # trees split by their latency model
+            self.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics,
+                                                                any(m.needs_refiner for m in chains))
         self.compile_seconds = time.perf_counter() - started
-        print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the step for "
-              f"{len(self.attend_buckets)} attention lengths ({', '.join(map(str, self.attend_buckets))}) and "
+        print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the {self.policy} step "
+              f"for {len(self.attend_buckets)} attention lengths ({', '.join(map(str, self.attend_buckets))}) and "
               f"{len(self.prompt_buckets)} prompt buckets ({', '.join(map(str, self.prompt_buckets))}) in "
               f"{self.compile_seconds:.1f} s", file=sys.stderr, flush=True)
+        rest = tuple(p for p in self.policies if p != self.policy)
+        if rest and background:
+            self._compiler = threading.Thread(target=self._compile_rest, args=(rest,), name="specjax-compile",
+                                              daemon=True)
+            self._compiler.start()
+        elif rest:
+            self._compile_rest(rest)
         if self.model.config.dtype != "float32":
             # Measured: 3 of 12 held-out prompts (BENCHMARKS.md, "32 slots in bf16").
             print(f"[specjax] {self.model.config.dtype} compute: a row's rounding depends on the rows sharing its "
@@ -421,6 +533,28 @@ class Scheduler:
             raise SpecjaxError("stop strings need a tokenizer; this model has none")
         if any(not s for s in request.stop):
             raise SpecjaxError("a stop string is empty")
+        self._row_limit(request)  # refuses a method this server cannot run
+
+    def _row_limit(self, request: Request) -> int:
+        """The request's draft limit: 0 without speculation, K for a "chain:K" override, else none."""
+        no_limit = self.statics.block - 1
+        method = request.method
+        if method is not None:
+            allowed = set(self.policies) | {"ar"}
+            if not self.adaptive and self.config.method.startswith("chain"):
+                allowed |= {f"{self.config.method.split(':')[0]}:{k}" for k in range(1, self.statics.block)}
+            if method not in allowed:
+                raise SpecjaxError(f"method {method!r} is not served here; this server runs "
+                                   f"{', '.join(sorted(allowed))}")
+        if not request.speculation or method == "ar":
+            return 0
+        drafts = None if method is None else slot_api.slot_method(method).drafts
+        return no_limit if drafts is None else min(drafts, no_limit)
+
+    def _pin_for(self, request: Request) -> str | None:
+        """The batch policy a request's override pins (an adaptive server's policy other than ar)."""
+        method = request.method
+        return method if self.adaptive and method is not None and method != "ar" else None
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; returns at once. Raises SpecjaxError for a bad request and QueueFull when
@@ -432,7 +566,9 @@ class Scheduler:
             if len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
             handle = RequestHandle(next(self._ids), request, self)
-            self._waiting.append((handle, time.perf_counter()))
+            now = time.perf_counter()
+            self._waiting.append((handle, now))
+            self._arrivals.append(now)
             self.metrics.queue_depth(len(self._live), len(self._waiting))
         self._wake()
         return handle
@@ -485,9 +621,12 @@ class Scheduler:
                 if all(live.prefilling for live in self._live.values()):
                     continue
                 self._pack()
-                started, attend, rows = time.perf_counter(), self._attend_length(), self._step_rows()
-                self._state = self._compiled_step(attend, rows)(self.parts, self._state)
-                self._collect((started, attend, rows))
+                attend, rows = self._attend_length(), self._step_rows()
+                policy = self._choose_policy(attend, rows)
+                with self._device_lock:
+                    started = time.perf_counter()
+                    self._state = self._compiled_step(policy, attend, rows)(self.parts, self._state)
+                    self._collect((started, attend, rows, policy))
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
                 self._fail_all(f"{type(error).__name__}: {error}")
@@ -520,10 +659,28 @@ class Scheduler:
             self._live[target] = self._live.pop(highest)
             self._lengths[target] = self._lengths[highest]
 
-    def _compiled_step(self, length: int, rows: int):
-        return self._compiled.get(("step", length, rows)) or (
-            lambda *a: slot_api.step(*a, method=self.config.method, statics=self.statics, attend_slots=length,
-                                     rows=rows))
+    def _compiled_step(self, policy: str, length: int, rows: int):
+        return self._compiled.get(("step", policy, length, rows)) or (
+            lambda *a: slot_api.step(*a, method=policy, statics=self.statics, attend_slots=length, rows=rows))
+
+    def _choose_policy(self, attend: int, rows: int) -> str:
+        """The controller's choice for the next call (a fixed method's server always has one)."""
+        decoding = [live for live in self._live.values() if not live.prefilling]
+        pins = [self._pins[slot] for slot in sorted(self._pins, key=lambda s: self._live[s].admitted)
+                if slot in self._live]
+        self.controller.pin(pins[0] if pins else None)
+        decision = self.controller.decide(rows, attend, [live.draft_limit for live in decoding])
+        if decision.policy != self.policy or decision.reason == "probe":
+            self.metrics.policy(decision.policy, decision.reason)
+        self.policy = self.controller.current
+        self.metrics.controller(decision.predicted_tokens_per_step, decision.predicted_tokens_per_s,
+                                self._arrival_rate())
+        return decision.policy
+
+    def _arrival_rate(self) -> float:
+        """Requests per second over the last 64 arrivals (0 with fewer than two)."""
+        times = list(self._arrivals)
+        return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
 
     def _drop_cancelled_waiting(self) -> None:
         with self._lock:
@@ -540,6 +697,19 @@ class Scheduler:
         handle._push(result=RequestResult([], "", reason, error, {"e2e_s": e2e, "queue_s": e2e}))
         self.metrics.finished(reason, e2e)
 
+    def _memory_allows(self, live: list[_Live], request: Request, resumed: int) -> bool:
+        """Under a KV budget, admit only while no alarm is raised and the request's tokens fit below
+        the high water mark (a request alone is always admitted, so nothing waits forever)."""
+        budget = self.controller.kv_budget
+        if not budget or not live:
+            return True
+        if self.memory_state is not None and self.memory_state.alarm:
+            return False
+        per_token = sum(self._bytes_per_token.values())
+        held = sum(int(self._lengths[slot]) for slot in self._live) + sum(len(x.prompt) for x in live)
+        held += len(request.prompt) + resumed
+        return held * per_token <= self.config.controller.kv_high_water * budget
+
     def _admit(self) -> None:
         """Prefill waiting requests into free slots, up to insert_rows of them per device call."""
         free = [s for s in range(self.config.slots) if s not in self._live]
@@ -548,11 +718,25 @@ class Scheduler:
             batch: list[tuple[int, _Live]] = []
             with self._lock:
                 while self._waiting and len(batch) < min(len(free), self.insert_rows):
-                    handle, arrived = self._waiting.popleft()
+                    handle, arrived = self._waiting[0]
                     request = handle.request
-                    seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
-                    batch.append((free[len(batch)], _Live(handle, arrived, admitted=0.0, seed=seed % 2**32,
-                                  reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64))))
+                    if not self._memory_allows([x for _, x in batch], request, len(handle._resume)):
+                        break
+                    self._waiting.popleft()
+                    seed = handle._carry.get("seed")
+                    if seed is None:
+                        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
+                        handle._carry["seed"] = seed
+                    resumed = list(handle._resume)
+                    text = "" if not resumed or self.model.tokenizer is None else self.model.tokenizer.decode(resumed)
+                    # A resumed request draws from a stream of its own, so it does not replay its first draws.
+                    live = _Live(handle, arrived, admitted=0.0, seed=(seed + len(resumed)) % 2**32,
+                                 reached_reported=np.zeros(max(self.statics.block - 1, 0), np.int64),
+                                 emitted=len(resumed), text=text, resumed=resumed,
+                                 draft_limit=self._row_limit(request),
+                                 histogram_reported=np.zeros(self.statics.block, np.int64),
+                                 policy_steps=dict(handle._carry.get("policy_steps", {})))
+                    batch.append((free[len(batch)], live))
             if not batch:
                 break
             try:
@@ -566,6 +750,9 @@ class Scheduler:
             for slot, live in batch:
                 free.remove(slot)
                 live.admitted = now
+                pin = self._pin_for(live.handle.request)
+                if pin is not None:
+                    self._pins[slot] = pin
                 self.metrics.admitted(now - live.arrived, len(live.handle.request.prompt))
                 self._live[slot] = live
             self.metrics.queue_depth(len(self._live), len(self._waiting))
@@ -587,26 +774,28 @@ class Scheduler:
         if any(starts):  # the next chunk, after what the row holds
             if len(batch) != 1:
                 raise RuntimeError("continued prompt chunks are prefilled one row per call")
-            prompt = batch[0][1].handle.request.prompt
+            prompt = batch[0][1].prompt
             takes, key, width, offsets, rows = [prompt[starts[0]: starts[0] + chunk]], "extend", chunk, starts, 1
         else:  # whole prompts, or first chunks, into fresh rows, padded to a compiled row count
-            takes = [live.handle.request.prompt for _, live in batch]
+            takes = [live.prompt for _, live in batch]
             takes = [p if not chunk or len(p) <= chunk else p[: len(p) % chunk or chunk] for p in takes]
             width = max(self._bucket_for(len(t)) for t in takes)
             rows = next(size for size in self.insert_sizes if size >= len(batch))
             key, offsets = (width, rows), None
         tokens = np.zeros((rows, width), np.int32)
         requests = [live.handle.request for _, live in batch]
+        lives = [live for _, live in batch]
         pad = rows - len(batch)
         for i, take in enumerate(takes):
             tokens[i, : len(take)] = take
         insert = self._insert_request(
             [slot for slot, _ in batch] + [self.config.slots] * pad, tokens, [len(t) for t in takes] + [1] * pad,
-            [r.max_tokens for r in requests] + [1] * pad, [live.seed for _, live in batch] + [0] * pad,
+            [r.max_tokens - len(x.resumed) for r, x in zip(requests, lives)] + [1] * pad,
+            [live.seed for _, live in batch] + [0] * pad,
             [r.temperature for r in requests] + [0.0] * pad, [r.top_k for r in requests] + [0] * pad,
             [r.top_p for r in requests] + [1.0] * pad,
-            final=[start + len(t) == len(r.prompt) for start, t, r in zip(starts, takes, requests)] + [True] * pad,
-            offsets=offsets)
+            final=[start + len(t) == len(x.prompt) for start, t, x in zip(starts, takes, lives)] + [True] * pad,
+            offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad)
         started = time.perf_counter()
         run = self._compiled.get(key) or (lambda *a: slot_api.insert(*a, statics=self.statics))
         self._state = run(self.parts, self._state, insert)
@@ -647,7 +836,8 @@ class Scheduler:
              state.drafted))
         now = time.perf_counter()
         if step is not None:
-            self._report_step(now - step[0], step[1], step[2], synced[3], synced[6])
+            self._report_step(now - step[0], step[1], step[2], synced[3], synced[6], step[3])
+            self._observe_call(now - step[0], step[1], step[2], step[3], synced)
         self._lengths[:] = synced[5]
         for slot, live in list(self._live.items()):
             if live.prefilling:
@@ -660,23 +850,53 @@ class Scheduler:
                              error=f"{type(error).__name__}: {error}")
         self._report_memory(synced[5])
 
+    def _observe_call(self, seconds: float, attend: int, rows: int, policy: str, synced) -> None:
+        """Tell the controller what the call did: committed tokens, row steps and, for chains, how
+        often each draft position was verified and accepted (within each row's draft limit)."""
+        _, counts, _, steps, histogram, _, _ = synced
+        drafts = self.controller.drafts.get(policy)
+        width = max(self.statics.block - 1, 0)
+        reached, verified = np.zeros(width), np.zeros(width)
+        row_steps = committed = decoding = 0
+        for slot, live in self._live.items():
+            if live.prefilling:
+                continue
+            decoding += 1
+            stepped = int(steps[slot]) - live.steps_reported
+            row_steps += stepped
+            committed += int(counts[slot]) - live.generated_reported
+            live.generated_reported = int(counts[slot])
+            if stepped:
+                live.policy_steps[policy] = live.policy_steps.get(policy, 0) + stepped
+            if drafts and stepped:
+                delta = np.asarray(histogram[slot], np.int64) - live.histogram_reported
+                tail = delta[::-1].cumsum()[::-1]  # tail[n]: steps that accepted at least n drafts
+                k = min(drafts, live.draft_limit)
+                verified[:k] += tail[:k]
+                reached[:k] += tail[1 : k + 1]
+            live.histogram_reported = np.asarray(histogram[slot], np.int64)
+        self.controller.observe_call(policy, rows, attend, seconds, row_steps, committed, reached, verified)
+        if row_steps:  # committed per step over the rows, comparable with the prediction
+            self.metrics.measured_tokens_per_step(committed * decoding / row_steps)
+
     def _sync_slot(self, slot: int, live: _Live, synced, now: float) -> None:
         tokens, counts, done, steps, histogram, _, drafted = synced
         request = live.handle.request
         tokenizer = self.model.tokenizer
         block = self.statics.block
-        count = int(counts[slot])
-        new = tokens[slot, live.emitted : count].tolist()
+        ids = live.resumed + tokens[slot, : int(counts[slot])].tolist()  # every token of the request so far
+        count = len(ids)
+        new = ids[live.emitted:]
         reason = None
         text_delta = ""
         if tokenizer is not None and new:
-            text = tokenizer.decode(tokens[slot, :count].tolist())
+            text = tokenizer.decode(ids)
             if text.endswith("\ufffd") and not done[slot]:
                 text = live.text  # an incomplete UTF-8 sequence: wait for the rest of its bytes
             cut = _find_stop(text, request.stop, len(live.text))
             if cut is not None:
                 text, reason = text[:cut], "stop"
-                new = _ids_within(tokenizer, tokens[slot, :count].tolist(), live.emitted, text)
+                new = _ids_within(tokenizer, ids, live.emitted, text)
             text_delta, live.text = text[len(live.text):], text
         if new or text_delta:
             if live.first_token_at is None:
@@ -694,7 +914,7 @@ class Scheduler:
             live.reached_reported = reached
         live.steps_reported, live.drafted_reported = int(steps[slot]), int(drafted[slot])
         if reason is None and done[slot]:
-            at_limit = count >= request.max_tokens and not self._ends_with_eos(tokens[slot, :count])
+            at_limit = count >= request.max_tokens and not self._ends_with_eos(ids)
             reason = "length" if at_limit else "stop"
         if reason is None and live.handle.cancelled:
             reason = "cancelled"
@@ -707,15 +927,21 @@ class Scheduler:
     def _finish(self, slot: int, live: _Live, reason: str, now: float, steps, histogram,
                 error: str | None = None) -> None:
         del self._live[slot]  # the slot is free now; the next insert overwrites its row
-        metrics = self._request_metrics(live, now, int(steps), np.asarray(histogram))
+        self._pins.pop(slot, None)
+        carry = live.handle._carry
         ids = [t for chunk in live.handle._chunks for t in chunk.token_ids]
+        steps = int(steps) + carry.get("steps", 0)
+        histogram = np.asarray(histogram) + carry.get("histogram", 0)
+        live.drafted_reported += carry.get("drafted", 0)
+        metrics = self._request_metrics(live, now, steps, histogram, ids)
         result = RequestResult(ids, live.text, reason, error, metrics)
         live.handle._push(result=result)
         self.metrics.finished(reason, now - live.arrived, {"id": live.handle.id, "finish_reason": reason, **metrics})
         self.metrics.queue_depth(len(self._live), len(self._waiting))
 
-    def _request_metrics(self, live: _Live, now: float, steps: int, histogram: np.ndarray) -> dict:
+    def _request_metrics(self, live: _Live, now: float, steps: int, histogram: np.ndarray, ids=()) -> dict:
         """Per-request metrics, named as vLLM's and SGLang's responses name them."""
+        request = live.handle.request
         out = {
             "queue_s": live.admitted - live.arrived,
             "ttft_s": None if live.first_token_at is None else live.first_token_at - live.arrived,
@@ -724,6 +950,15 @@ class Scheduler:
             "completion_tokens": live.emitted,
             "method": self.config.method,
             "precision": self.model.config.precision,
+            # Per-request control and what the batch ran while the request decoded.
+            "speculation": request.speculation,
+            "method_requested": request.method,
+            "draft_limit": live.draft_limit,
+            "policy_steps": dict(live.policy_steps),
+            "preemptions": live.handle._carry.get("preemptions", 0),
+            # Quality beside speed: high acceptance from degenerate repetition shows as low distinct-n.
+            "distinct_2": distinct_n(ids, 2),
+            "distinct_3": distinct_n(ids, 3),
         }
         if self.statics.block > 1:
             committed = float((histogram * (np.arange(len(histogram)) + 1)).sum())
@@ -739,7 +974,7 @@ class Scheduler:
             }
         return out
 
-    def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted) -> None:
+    def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted, policy: str) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
         self.metrics.timing("step", seconds)
         # Called before the rows sync, so each request's *_reported counts are those of the last sync.
@@ -747,8 +982,9 @@ class Scheduler:
         drafted_done = sum(int(drafted[slot]) - live.drafted_reported for slot, live in self._live.items())
         # Tokens each row verified per step (1 + drafts checked), from the rows that stepped.
         verify_tokens = 1.0 + (drafted_done / steps_done if steps_done else self.statics.block - 1)
-        phases = self.phase_seconds
-        if self.latency is not None:  # trees: the latency model's drafting cost and verify cost at this size
+        method = slot_api.slot_method(policy)
+        phases = self.phase_seconds if method.needs_drafter else {"verify": 1.0}
+        if method.needs_tree and self.latency is not None:  # the latency model's drafting and verify costs
             phases = {"draft": self.latency.fixed_s,
                       "verify": float(np.interp(verify_tokens, self.latency.sizes, self.latency.verify_s))}
         total = sum(phases.values())
@@ -765,13 +1001,47 @@ class Scheduler:
         capacity = self.config.slots * self.statics.slot.cache_length
         bytes_in_use = {part: tokens_held * per for part, per in self._bytes_per_token.items()}
         self.metrics.memory(tokens_held / capacity, bytes_in_use, self._bytes_per_token)
+        state = self.memory_state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
+        self.metrics.memory_budget(state.budget, state.seconds_to_budget, state.alarm)
+        # Past the high water mark, preempt the newest request: its tokens so far become part of its
+        # prompt when it is admitted again (recomputed, as vLLM does), and it streams on from there.
+        decoding = [slot for slot, live in self._live.items() if not live.prefilling]
+        if state.budget and state.bytes_in_use >= self.config.controller.kv_high_water * state.budget \
+                and len(decoding) > 1:
+            self._preempt(max(decoding, key=lambda slot: self._live[slot].admitted))
+
+    def _preempt(self, slot: int) -> None:
+        live = self._live.pop(slot)
+        self._pins.pop(slot, None)
+        handle = live.handle
+        handle._resume = [t for chunk in handle._chunks for t in chunk.token_ids]
+        histogram = live.histogram_reported if live.histogram_reported is not None else 0
+        carry = handle._carry
+        carry.update(steps=carry.get("steps", 0) + live.steps_reported,
+                     histogram=carry.get("histogram", 0) + histogram,
+                     drafted=carry.get("drafted", 0) + live.drafted_reported,
+                     policy_steps=dict(live.policy_steps), preemptions=carry.get("preemptions", 0) + 1)
+        with self._lock:
+            self._waiting.appendleft((handle, live.arrived))
+        self.metrics.preempted()
+        self.metrics.queue_depth(len(self._live), len(self._waiting))
+        log.info("preempted request %d at %d tokens: KV bytes past the high water mark", handle.id,
+                 len(handle._resume))
 
     def _fail_all(self, message: str) -> None:
         now = time.perf_counter()
+        self._pins.clear()
         for slot, live in list(self._live.items()):
             del self._live[slot]
             live.handle._push(result=RequestResult([], live.text, "error", message, {"e2e_s": now - live.arrived}))
             self.metrics.finished("error", now - live.arrived)
+
+
+def distinct_n(ids, n: int) -> float | None:
+    """Distinct n-grams over all n-grams of a token sequence (None when it has none): 1.0 for text
+    that never repeats an n-gram, near 0 for output stuck in a loop."""
+    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else None
 
 
 def _find_stop(text: str, stops: tuple[str, ...], already: int) -> int | None:
