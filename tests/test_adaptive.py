@@ -233,3 +233,86 @@ def test_the_memory_alarm_projects_growth_before_the_budget():
     state = controller.observe_memory(500, 2.0)  # 2.5 s: inside the horizon, still under 90%
     assert state.alarm and state.bytes_in_use < 900
     assert controller.observe_memory(950, 100.0).alarm  # past the high water mark, growing or not
+
+
+# ---- the adaptive server ----
+
+from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E402
+
+
+def _adaptive(target, drafter, slot_count=3, **controller):
+    config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
+                         prompt_bucket=16, controller=ControllerConfig(**controller))
+    return Scheduler(target, drafter, config, compile_now=False)
+
+
+def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter):
+    """Probes every other call make the batch's policy change under running requests; one request
+    opts out of speculation, one asks for chain:1 and one for ar: every output is AR's."""
+    scheduler = _adaptive(target, drafter, probe_every=2, patience=1, margin=0.0)
+    assert scheduler.policies == ("ar", "chain") and scheduler.controller.ready == {"ar", "chain"}
+    overrides = [dict(), dict(speculation=False), dict(method="chain:1"), dict(method="ar"), dict(), dict()]
+    limits = [24, 20, 17, 24, 9, 24]
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0, **o))
+                   for p, n, o in zip(PROMPTS, limits, overrides)]
+        results = [h.result(timeout=300) for h in handles]
+        with pytest.raises(SpecjaxError, match="not served here"):
+            scheduler.submit(Request((1, 2), max_tokens=4, method="tree"))
+        text = scheduler.metrics.prometheus_text()
+    finally:
+        scheduler.shutdown()
+    expected = Engine(target).generate(PROMPTS, max(limits)).tokens
+    for result, whole, limit in zip(results, expected, limits):
+        assert result.token_ids == whole[:limit]
+    metrics = [r.metrics for r in results]
+    assert any(len(m["policy_steps"]) == 2 for m in metrics), [m["policy_steps"] for m in metrics]
+    assert metrics[1]["speculation"] is False and metrics[1]["draft_limit"] == 0
+    assert sum(metrics[1]["speculative_decoding"]["acceptance_histogram"][1:]) == 0
+    assert metrics[2]["draft_limit"] == 1 and metrics[2]["method_requested"] == "chain:1"
+    assert sum(metrics[2]["speculative_decoding"]["acceptance_histogram"][2:]) == 0
+    assert metrics[3]["draft_limit"] == 0
+    assert all(m["distinct_2"] is None or 0 < m["distinct_2"] <= 1 for m in metrics)
+    assert 'specjax:policy_switches_total{reason="probe"}' in text
+    assert "specjax:controller_predicted_tokens_per_step" in text and 'specjax:output_distinct_n{n="2"}' in text
+
+
+def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, drafter):
+    """A budget of about 60 tokens' KV for three requests that grow to 30 each: the newest rows are
+    preempted and recomputed later, and every greedy output is still AR's."""
+    from specjax.decode.memory import target_kv_bytes
+
+    per_token = target_kv_bytes(TINY, 1, 1) + 1  # (the drafter's context adds a little more per token)
+    scheduler = _adaptive(target, drafter, kv_budget_bytes=60 * per_token, kv_high_water=0.9, probe_every=0)
+    limits = [24, 24, 24]
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0))
+                   for p, n in zip(PROMPTS[2:5], limits)]
+        results = [h.result(timeout=300) for h in handles]
+        text = scheduler.metrics.prometheus_text()
+    finally:
+        scheduler.shutdown()
+    expected = Engine(target).generate(PROMPTS[2:5], max(limits)).tokens
+    for result, whole, limit in zip(results, expected, limits):
+        assert result.token_ids == whole[:limit]
+    assert sum(r.metrics["preemptions"] for r in results) >= 1
+    assert "specjax:preemptions_total" in text and "specjax:kv_cache_budget_bytes" in text
+
+
+def test_the_request_fields_reach_the_server_over_http(target, drafter):
+    import httpx
+
+    from test_serve import _serve_in_thread
+
+    scheduler = _adaptive(target, drafter, slot_count=2, probe_every=0)
+    url, stop = _serve_in_thread(scheduler)
+    try:
+        body = {"prompt": [1, 5, 2], "max_tokens": 6, "temperature": 0.0, "speculation": False}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert reply["metrics"]["draft_limit"] == 0 and reply["metrics"]["speculation"] is False
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "method": "tree+refiner"}, timeout=60)
+        assert bad.status_code == 400 and "not served here" in bad.json()["error"]["message"]
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "speculation": "no"}, timeout=60)
+        assert bad.status_code == 400
+    finally:
+        stop()

@@ -79,6 +79,13 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be true or false, got {stream!r}")
+    # specjax's own fields: opt out of speculation, or ask for one of the server's policies.
+    speculation = body.get("speculation", True)
+    if not isinstance(speculation, bool):
+        raise BadRequest(f"'speculation' must be true or false, got {speculation!r}")
+    method = body.get("method")
+    if method is not None and not isinstance(method, str):
+        raise BadRequest(f"'method' must be a string, got {method!r}")
     request = Request(
         prompt=tuple(prompt),
         max_tokens=_number(body, "max_tokens", int, 16 if not chat else 128, 1, scheduler.config.max_new_tokens),
@@ -87,6 +94,8 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
         seed=_number(body, "seed", int, None, 0, 2**63 - 1),
         stop=_stop_strings(body),
+        speculation=speculation,
+        method=method,
     )
     if request.top_p == 0.0:
         raise BadRequest("'top_p' must be above 0")

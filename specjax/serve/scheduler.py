@@ -541,8 +541,8 @@ class Scheduler:
         method = request.method
         if method is not None:
             allowed = set(self.policies) | {"ar"}
-            if not self.adaptive and self.config.method.startswith("chain"):
-                allowed |= {f"{self.config.method.split(':')[0]}:{k}" for k in range(1, self.statics.block)}
+            for chain in {p.split(":")[0] for p in self.policies if p.startswith("chain")}:
+                allowed |= {f"{chain}:{k}" for k in range(1, self.statics.block)}  # per-row draft limits
             if method not in allowed:
                 raise SpecjaxError(f"method {method!r} is not served here; this server runs "
                                    f"{', '.join(sorted(allowed))}")
@@ -552,9 +552,19 @@ class Scheduler:
         return no_limit if drafts is None else min(drafts, no_limit)
 
     def _pin_for(self, request: Request) -> str | None:
-        """The batch policy a request's override pins (an adaptive server's policy other than ar)."""
+        """The batch policy a request's override pins on an adaptive server: the method itself, or for
+        "chain:K" the shortest compiled chain verifying at least K drafts (the row is limited to K).
+        "ar" pins nothing: the row's limit of 0 makes it AR inside any step."""
         method = request.method
-        return method if self.adaptive and method is not None and method != "ar" else None
+        if not self.adaptive or method is None or method == "ar":
+            return None
+        if method in self.policies:
+            return method
+        base, drafts = method.split(":")[0], self._row_limit(request)
+        length = lambda p: self.controller.drafts[p] or 0  # noqa: E731
+        chains = [p for p in self.policies if p.split(":")[0] == base]
+        covering = [p for p in chains if length(p) >= drafts]
+        return min(covering, key=length) if covering else max(chains, key=length)
 
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; returns at once. Raises SpecjaxError for a bad request and QueueFull when
