@@ -391,13 +391,24 @@ def cmd_serve(args) -> int:
     from specjax.serve.http import create_app
     from specjax.serve.scheduler import Scheduler, ServeConfig
 
-    _check_decode_args(args, [args.method])
+    from specjax.serve.controller import ControllerConfig
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
+    if policies is not None and args.method != "adaptive":
+        raise SpecjaxError("--policies applies to --method adaptive")
+    if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
+        raise SpecjaxError(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
+    served = (policies or ("ar", "chain")) if args.method == "adaptive" else (args.method,)
+    methods = sorted({p.split(":")[0] for p in served})  # chain:K tiers need what chain needs
+    _check_decode_args(args, methods)
     model = _load_target(args)
-    parts = _parts_for(args, model)
+    parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)
+    controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
+                                  else int(args.kv_budget_mib * 2**20))
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
-                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows)
+                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
@@ -695,7 +706,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and live metrics")
     srv.add_argument("--model", default=DEFAULT_MODEL)
     srv.add_argument("--drafter", default="default")
-    srv.add_argument("--method", default="chain", help="decoding method: ar, chain, chain+refiner, tree or tree+refiner")
+    srv.add_argument("--method", default="adaptive",
+                     help="adaptive (the controller picks among --policies at every step), or one fixed method: ar, "
+                          "chain, chain:K (K drafts verified), chain+refiner, tree or tree+refiner")
+    srv.add_argument("--policies", default=None,
+                     help="comma-separated policies the adaptive controller chooses among (default: ar, chain:3, "
+                          "chain:7 where shorter than the block, chain); add tree or +refiner methods here")
+    srv.add_argument("--kv-budget-mib", type=float, default=None,
+                     help="KV bytes the server may hold: admission pauses when growth is projected to reach it and "
+                          "the newest request is preempted (recomputed later) past 90%% of it")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")

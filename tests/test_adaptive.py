@@ -316,3 +316,29 @@ def test_the_request_fields_reach_the_server_over_http(target, drafter):
         assert bad.status_code == 400
     finally:
         stop()
+
+
+def test_the_dashboard_shows_the_controllers_decisions():
+    from rich.console import Console
+
+    from specjax.monitor.serving import ServingMetrics
+    from specjax.serve.top import parse_metrics, render, summarize
+
+    metrics = ServingMetrics("adaptive")
+    metrics.policy("chain", None)
+    metrics.policy("ar", "faster")
+    metrics.policy("chain:3", "probe")
+    metrics.policy("ar", "faster")
+    metrics.controller(3.5, {"ar": 40.0, "chain": 31.5}, 2.0)
+    metrics.measured_tokens_per_step(3.25)
+    metrics.memory_budget(64 * 2**20, 2.5, True)
+    metrics.preempted()
+    metrics.finished("stop", 1.0, {"distinct_2": 0.5, "distinct_3": 0.75})
+    view = summarize(parse_metrics(metrics.prometheus_text()), None)
+    assert view["policy"] == "ar" and view["switches"] == {"faster": 2, "probe": 1}
+    assert view["kv_alarm"] and view["preemptions"] == 1 and view["distinct"] == {"2": 0.5, "3": 0.75}
+    console = Console(width=160, record=True)
+    console.print(render(view, "http://127.0.0.1:1"))
+    screen = console.export_text()
+    assert "policy ar" in screen and "faster 2, probe 1" in screen and "predicted 3.50, measured 3.25" in screen
+    assert "ALARM" in screen and "2.5 s" in screen and "preempted 1" in screen and "2: 0.50" in screen

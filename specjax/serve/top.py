@@ -39,6 +39,8 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
                     per_position[int(sample.labels["position"])] = sample.value
                 elif name == "request_success":
                     counters[f"finished_{sample.labels.get('finished_reason', '?')}"] = sample.value
+                elif name == "policy_switches":
+                    counters[f"switches_{sample.labels.get('reason', '?')}"] = sample.value
                 else:
                     counters[name] = sample.value
             elif family.type == "gauge":
@@ -99,6 +101,18 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         "phases": {phase: new.gauges[f"step_seconds:{phase}"] for phase in ("draft", "refine", "verify")
                    if f"step_seconds:{phase}" in new.gauges},
         "utilization": {resource: new.gauges.get(f"step_utilization:{resource}") for resource in ("bytes", "flops")},
+        # The adaptive controller: what it runs, why it switched, what it expected against what came.
+        "policy": next((k.split(":", 1)[1] for k, v in new.gauges.items() if k.startswith("policy_info:") and v), None),
+        "switches": {k.removeprefix("switches_"): v for k, v in new.counters.items() if k.startswith("switches_")},
+        "predicted_per_step": new.gauges.get("controller_predicted_tokens_per_step"),
+        "measured_per_step": new.gauges.get("controller_measured_tokens_per_step"),
+        "predicted_rates": {k.split(":", 1)[1]: v for k, v in new.gauges.items()
+                            if k.startswith("controller_predicted_tokens_per_second:")},
+        "kv_budget": new.gauges.get("kv_cache_budget_bytes", 0.0),
+        "kv_to_budget": new.gauges.get("kv_cache_projected_seconds_to_budget"),
+        "kv_alarm": bool(new.gauges.get("kv_cache_alarm", 0.0)),
+        "preemptions": new.counters.get("preemptions", 0.0),
+        "distinct": {n: new.gauges[f"output_distinct_n:{n}"] for n in ("2", "3") if f"output_distinct_n:{n}" in new.gauges},
     }
 
 
@@ -129,6 +143,23 @@ def render(view: dict, url: str):
             "compute-bound" if (use["flops"] or 0) > 0.5 else "neither near peak: overheads")
         head.add_row(f"[b]stall[/b] {share(use['bytes'])} of peak bytes/s, {share(use['flops'] or 0)} of peak FLOP/s",
                      bound, "")
+    if view.get("policy"):
+        switches = ", ".join(f"{k} {v:.0f}" for k, v in sorted(view["switches"].items())) or "none"
+        per_step = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        rates = "  ".join(f"{p} {v:.1f}" for p, v in sorted(view["predicted_rates"].items(), key=lambda x: -x[1]))
+        head.add_row(f"[b]policy[/b] {view['policy']}  [b]switches[/b] {switches}",
+                     f"[b]tokens/step[/b] predicted {per_step(view['predicted_per_step'])}, "
+                     f"measured {per_step(view['measured_per_step'])}", f"[b]predicted tok/s[/b] {rates}")
+    if view.get("kv_budget"):
+        to_budget = view["kv_to_budget"]
+        head.add_row(f"[b]KV budget[/b] {view['kv_budget'] / 2**20:.1f} MiB"
+                     + ("  [b red]ALARM[/b red]" if view["kv_alarm"] else ""),
+                     "reached in " + ("never (not growing)" if to_budget is None or to_budget < 0
+                                      else f"{to_budget:.1f} s at the current growth"),
+                     f"[b]preempted[/b] {view['preemptions']:.0f}")
+    if view.get("distinct"):
+        head.add_row("[b]output distinct-n[/b] " + ", ".join(f"{n}: {v:.2f}" for n, v in view["distinct"].items()),
+                     "(low means repetition)", "")
     latency = Table(title="latency", expand=False)
     for column in ("", "p50", "p90", "p99"):
         latency.add_column(column, justify="right")
