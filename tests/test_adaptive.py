@@ -342,3 +342,24 @@ def test_the_dashboard_shows_the_controllers_decisions():
     screen = console.export_text()
     assert "policy ar" in screen and "faster 2, probe 1" in screen and "predicted 3.50, measured 3.25" in screen
     assert "ALARM" in screen and "2.5 s" in screen and "preempted 1" in screen and "2: 0.50" in screen
+
+
+def test_probes_back_off_while_a_load_holds_and_resume_when_it_changes():
+    controller = _controller(probe_every=4)
+    _observe_chain(controller, 0.8)
+    ar = lambda rows: controller.observe_call("ar", rows, 128, FULL_BATCH["ar"], rows * 10, rows * 10,  # noqa: E731
+                                              np.zeros(BLOCK - 1), np.zeros(BLOCK - 1))
+
+    def run(calls, rows):
+        reasons = []
+        for _ in range(calls):
+            decision = controller.decide(rows, 128, [None] * rows)
+            reasons.append(decision.reason)
+            ar(rows) if decision.policy == "ar" else _observe_chain(controller, 0.8, rows=rows, policy=decision.policy)
+        return reasons
+
+    first, later = run(100, 32)[:50], run(200, 32)
+    assert controller.current == "ar"
+    # Probes of the losing chains thin out: at most one per policy per 64 calls once backed off.
+    assert later.count("probe") < first.count("probe") and later.count("probe") <= 2 * (200 // 64 + 1)
+    assert run(10, 1).count("probe") >= 1  # batch one: a new load, probed again at once

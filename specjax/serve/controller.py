@@ -54,7 +54,13 @@ class ControllerConfig:
     patience: int = 3
     """Consecutive decisions a challenger must win before the switch."""
     probe_every: int = 48
-    """Device calls between probes of a policy not run for that long (0: never probe)."""
+    """Device calls between probes of a policy not run for that long (0: never probe). Each probe
+    that finds the policy still losing doubles its interval, up to 16x, so exploration costs less
+    the longer a load holds; a change of live-row bucket resets every interval. A policy predicted
+    below `probe_floor` of the current one waits the longest interval: a probe can only pay when
+    the estimate is near enough to flip."""
+    probe_floor: float = 0.5
+    """Predicted value, as a fraction of the current policy's, below which probes are rarest."""
     kv_budget_bytes: int | None = None
     """Bytes of KV (target and drafter) the server may hold; None: the slots' whole capacity."""
     kv_high_water: float = 0.9
@@ -107,7 +113,9 @@ class Controller:
     """Chooses the next call's policy from measured step costs and acceptance."""
 
     def __init__(self, policies: Sequence[str], block: int, config: ControllerConfig = ControllerConfig(),
-                 capacity_bytes: int | None = None):
+                 steps_per_call: int = 1):
+        """steps_per_call: verify steps in one device call (the server's steps_per_sync), so that
+        predictions are tokens per second rather than per call."""
         if not policies:
             raise SpecjaxError("the adaptive controller needs at least one policy")
         self.config, self.block = config, block
@@ -123,15 +131,19 @@ class Controller:
         self.acceptance = np.full(max(block - 1, 0), 0.5)
         self.acceptance_seen = np.zeros(max(block - 1, 0), bool)
         self.observed_tau: dict[str, float] = {}
+        self.steps_per_call = steps_per_call
         self.startup_s: dict[tuple[str, int], float] = {}
         self.drift: dict[tuple[int, int], float] = {}
+        self.own_s: dict[tuple[str, int, int], float] = {}
+        """EMA of each policy's own measured seconds per call at (rows, attend), once it has run there."""
         self.last_run: dict[str, int] = {}
+        self.probe_interval: dict[str, int] = {}
+        self._last_rows: int | None = None
         self.calls = 0
         self._challenger: str | None = None
         self._wins = 0
         self.switches: dict[str, int] = {}
-        budget = config.kv_budget_bytes if config.kv_budget_bytes is not None else capacity_bytes
-        self.kv_budget = budget
+        self.kv_budget = config.kv_budget_bytes
         self._memory: tuple[float, int] | None = None
         self._growth = 0.0
 
@@ -162,6 +174,8 @@ class Controller:
         if base:
             key = (rows, attend)
             self.drift[key] = (1 - a) * self.drift.get(key, seconds / base) + a * seconds / base
+        own = (policy, rows, attend)
+        self.own_s[own] = (1 - a) * self.own_s.get(own, seconds) + a * seconds
         if row_steps:
             tau = committed / row_steps
             self.observed_tau[policy] = (1 - a) * self.observed_tau.get(policy, tau) + a * tau
@@ -202,6 +216,11 @@ class Controller:
         return 1.0 + float(np.cumprod(self.acceptance[: min(drafts, limit)]).sum())
 
     def seconds_per_call(self, policy: str, rows: int, attend: int) -> float | None:
+        """The policy's own measured cost at this shape once it ran there; before that its start-up
+        time scaled by the drift every policy's calls measured at the shape."""
+        own = self.own_s.get((policy, rows, attend))
+        if own is not None:
+            return own
         base = self.startup_s.get((policy, rows))
         if base is None:
             return None
@@ -213,7 +232,8 @@ class Controller:
         for policy in sorted(self.ready):
             seconds = self.seconds_per_call(policy, rows, attend)
             if seconds:
-                out[policy] = sum(self.tokens_per_row_step(policy, limit) for limit in limits) / seconds
+                tokens = sum(self.tokens_per_row_step(policy, limit) for limit in limits)
+                out[policy] = tokens * self.steps_per_call / seconds
         return out
 
     # ---- the decision ----
@@ -238,12 +258,24 @@ class Controller:
             return self._switch(max(ready, key=lambda p: values.get(p, 0.0)), "ready", per_step, values)
         # Probe: one call of a policy whose estimates have gone stale (or that never ran).
         every = self.config.probe_every
+        if rows != self._last_rows:  # a new load: every estimate may have moved
+            self.probe_interval.clear()
+            self._last_rows = rows
         if every:
+            current = values.get(self.current, 0.0)
+
+            def interval(p):
+                if p in values and values[p] < self.config.probe_floor * current:
+                    return 16 * every
+                return self.probe_interval.get(p, every)
+
             stale = [p for p in sorted(self.ready) if p != self.current
-                     and self.calls - self.last_run.get(p, -every) >= every]
+                     and self.calls - self.last_run.get(p, -interval(p)) >= interval(p)]
             if stale:
                 probe = min(stale, key=lambda p: self.last_run.get(p, -10**9))
                 self.last_run[probe] = self.calls  # so the probe is not repeated before it reports
+                if probe in values and values[probe] < current:
+                    self.probe_interval[probe] = min(2 * interval(probe), 16 * every)  # it lost last time too
                 return self._decided(probe, "probe", per_step, values, count=True, keep_current=True)
         best = max(values, key=values.get) if values else self.current
         current_value = values.get(self.current, 0.0)

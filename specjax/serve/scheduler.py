@@ -345,7 +345,7 @@ class Scheduler:
             per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
             if per_token:
                 self._bytes_per_token["drafter"] = per_token
-        self.controller = Controller(self.policies, self.statics.block, config.controller)
+        self.controller = Controller(self.policies, self.statics.block, config.controller, config.steps_per_sync)
         self.policy = self.controller.current
         self._pins: dict[int, str] = {}  # slot -> policy its request pinned
         self._arrivals: collections.deque[float] = collections.deque(maxlen=64)
@@ -465,6 +465,12 @@ class Scheduler:
                 self._make_ready(policy)
             except Exception:  # noqa: BLE001 - a policy that fails to compile is left out, not fatal
                 log.exception("policy %s failed to compile; the controller will not use it", policy)
+        # Timings taken while other policies compiled shared the cores with XLA: time every policy
+        # again now, with only serving running (which the device lock holds off meanwhile).
+        for policy in sorted(self.controller.ready):
+            if self._stopping:
+                return
+            self._make_ready(policy, compile_steps=False)
         print(f"[specjax] adaptive: {len(self.controller.ready)} policies ready "
               f"({', '.join(sorted(self.controller.ready))}); the rest compiled in the background in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
