@@ -226,11 +226,13 @@ class Controller:
             return None
         return base * self.drift.get((rows, attend), 1.0)
 
-    def predicted(self, rows: int, attend: int, limits: Sequence[int]) -> dict[str, float]:
-        """Committed tokens per second of every ready policy with a cost at this shape."""
+    def predicted(self, rows: int, attend, limits: Sequence[int]) -> dict[str, float]:
+        """Committed tokens per second of every ready policy with a cost at this shape. attend: the
+        attention length, or a mapping from policy to the length it would run at (a policy that
+        writes fewer slots per step fits a shorter one)."""
         out = {}
         for policy in sorted(self.ready):
-            seconds = self.seconds_per_call(policy, rows, attend)
+            seconds = self.seconds_per_call(policy, rows, attend if isinstance(attend, int) else attend[policy])
             if seconds:
                 tokens = sum(self.tokens_per_row_step(policy, limit) for limit in limits)
                 out[policy] = tokens * self.steps_per_call / seconds
@@ -244,9 +246,10 @@ class Controller:
             raise SpecjaxError(f"policy {policy!r} is not compiled on this server; compiled: {', '.join(self.policies)}")
         self.pinned = policy
 
-    def decide(self, rows: int, attend: int, limits: Sequence[int], steps_per_call: int = 1) -> Decision:
-        """The policy for the next call. rows: the live-row bucket it runs at; limits: each live row's
-        draft limit (None for no limit)."""
+    def decide(self, rows: int, attend, limits: Sequence[int]) -> Decision:
+        """The policy for the next call. rows: the live-row bucket it runs at; attend: its attention
+        length (or one per policy, as `predicted` takes); limits: each live row's draft limit (None
+        for no limit)."""
         values = self.predicted(rows, attend, limits)
         per_step = lambda p: sum(self.tokens_per_row_step(p, l) for l in limits)  # noqa: E731
         if self.pinned is not None and self.pinned in self.ready:

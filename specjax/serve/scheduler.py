@@ -311,6 +311,9 @@ class Scheduler:
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
         # committed tokens; sliding layers keep KV rings that hold that much past their window.
         self.step_slack = max(statics.step_writes, model.config.query_rows or 1)
+        # What each policy writes per step: an AR step over a cache sized for chains still attends
+        # to the short length its own steps need.
+        self.policy_slack = {p: max(self._writes(p, statics), model.config.query_rows or 1) for p in self.policies}
         if config.max_new_tokens + self.step_slack + 1 > config.context_length:
             raise SpecjaxError(f"context_length {config.context_length} leaves no room for a prompt with "
                                f"max_new_tokens {config.max_new_tokens}")
@@ -637,8 +640,9 @@ class Scheduler:
                 if all(live.prefilling for live in self._live.values()):
                     continue
                 self._pack()
-                attend, rows = self._attend_length(), self._step_rows()
-                policy = self._choose_policy(attend, rows)
+                rows = self._step_rows()
+                policy = self._choose_policy(rows)
+                attend = self._attend_length(policy)
                 with self._device_lock:
                     started = time.perf_counter()
                     self._state = self._compiled_step(policy, attend, rows)(self.parts, self._state)
@@ -648,10 +652,21 @@ class Scheduler:
                 self._fail_all(f"{type(error).__name__}: {error}")
                 self._state = slot_api.empty_slots(self.statics)
 
-    def _attend_length(self) -> int:
-        """The smallest compiled attention length that holds every live row through the next call."""
+    @staticmethod
+    def _writes(policy: str, statics) -> int:
+        method = slot_api.slot_method(policy)
+        if not method.needs_drafter:
+            return 1
+        if method.needs_tree:
+            return max(statics.tree_buckets)
+        return statics.block if method.drafts is None else method.drafts + 1
+
+    def _attend_length(self, policy: str | None = None) -> int:
+        """The smallest compiled attention length that holds every live row through the next call
+        of `policy` (None: of the policy that writes the most)."""
         longest = max(int(self._lengths[slot]) for slot in self._live)
-        need = longest + self.config.steps_per_sync * self.step_slack + 1
+        slack = self.step_slack if policy is None else self.policy_slack[policy]
+        need = longest + self.config.steps_per_sync * slack + 1
         return next((b for b in self.attend_buckets if b >= need), self.attend_buckets[-1])
 
     def _row_bucket(self, rows: int) -> int:
@@ -679,8 +694,9 @@ class Scheduler:
         return self._compiled.get(("step", policy, length, rows)) or (
             lambda *a: slot_api.step(*a, method=policy, statics=self.statics, attend_slots=length, rows=rows))
 
-    def _choose_policy(self, attend: int, rows: int) -> str:
+    def _choose_policy(self, rows: int) -> str:
         """The controller's choice for the next call (a fixed method's server always has one)."""
+        attend = {policy: self._attend_length(policy) for policy in self.policies}
         decoding = [live for live in self._live.values() if not live.prefilling]
         pins = [self._pins[slot] for slot in sorted(self._pins, key=lambda s: self._live[s].admitted)
                 if slot in self._live]
