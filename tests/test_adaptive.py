@@ -363,3 +363,19 @@ def test_probes_back_off_while_a_load_holds_and_resume_when_it_changes():
     # Probes of the losing chains thin out: at most one per policy per 64 calls once backed off.
     assert later.count("probe") < first.count("probe") and later.count("probe") <= 2 * (200 // 64 + 1)
     assert run(10, 1).count("probe") >= 1  # batch one: a new load, probed again at once
+
+
+def test_a_probe_replaces_a_stale_cost_so_one_bad_call_cannot_lock_a_policy_out():
+    controller = _controller(probe_every=4)
+    _observe_chain(controller, 0.05)  # poor acceptance: AR is the better policy at one row
+    controller.observe_call("ar", 1, 128, 10 * BATCH_ONE["ar"], 10, 10, np.zeros(BLOCK - 1), np.zeros(BLOCK - 1))
+    assert controller.seconds_per_call("ar", 1, 128) == 10 * BATCH_ONE["ar"]  # one cold, slow call
+    # Predicted 10x too slow, AR waits the longest probe interval (16 x 4 calls), then one probe
+    # measures it afresh and it wins.
+    for _ in range(100):
+        decision = controller.decide(1, 128, [None])
+        if decision.policy == "ar":
+            controller.observe_call("ar", 1, 128, BATCH_ONE["ar"], 10, 10, np.zeros(BLOCK - 1), np.zeros(BLOCK - 1))
+        else:
+            _observe_chain(controller, 0.05, policy=decision.policy)
+    assert controller.current == "ar" and controller.seconds_per_call("ar", 1, 128) == pytest.approx(BATCH_ONE["ar"])

@@ -137,6 +137,7 @@ class Controller:
         self.own_s: dict[tuple[str, int, int], float] = {}
         """EMA of each policy's own measured seconds per call at (rows, attend), once it has run there."""
         self.last_run: dict[str, int] = {}
+        self.last_observed: dict[str, int] = {}
         self.probe_interval: dict[str, int] = {}
         self._last_rows: int | None = None
         self.calls = 0
@@ -175,7 +176,10 @@ class Controller:
             key = (rows, attend)
             self.drift[key] = (1 - a) * self.drift.get(key, seconds / base) + a * seconds / base
         own = (policy, rows, attend)
-        self.own_s[own] = (1 - a) * self.own_s.get(own, seconds) + a * seconds
+        # A policy back after a while (a probe) replaces its old cost outright: an estimate it kept
+        # from long ago, or from one unlucky call, must not keep it from ever winning again.
+        fresh = self.calls - self.last_observed.get(policy, -10**9) > max(self.config.probe_every, 1)
+        self.own_s[own] = seconds if fresh or own not in self.own_s else (1 - a) * self.own_s[own] + a * seconds
         if row_steps:
             tau = committed / row_steps
             self.observed_tau[policy] = (1 - a) * self.observed_tau.get(policy, tau) + a * tau
@@ -186,7 +190,7 @@ class Controller:
                 w = 1 - (1 - a) ** min(verified[j], 8)
                 self.acceptance[j] = rate if not self.acceptance_seen[j] else (1 - w) * self.acceptance[j] + w * rate
                 self.acceptance_seen[j] = True
-        self.last_run[policy] = self.calls
+        self.last_run[policy] = self.last_observed[policy] = self.calls
         self.calls += 1
 
     def observe_memory(self, bytes_in_use: int, now: float) -> MemoryState:

@@ -439,21 +439,21 @@ class Scheduler:
             scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
                                       done=jnp.zeros_like(scratch.done),
                                       max_new_tokens=jnp.full_like(scratch.max_new_tokens, self.config.max_new_tokens))
+            reset = lambda st: st.replace(lengths=jnp.full_like(st.lengths, filled),  # noqa: E731
+                                          done=jnp.zeros_like(st.done), num_generated=jnp.zeros_like(st.num_generated))
+            if compile_steps:  # a compiled program's first run is slower: run every shape once now
+                for length in self.attend_buckets[1:]:
+                    for rows in self.row_buckets:
+                        scratch = reset(self._compiled_step(policy, length, rows)(self.parts, scratch))
             for rows in self.row_buckets:
                 run = self._compiled_step(policy, attend, rows)
-                scratch = run(self.parts, scratch)  # warm (and, without compile_steps, compile)
-                jax.block_until_ready(scratch.lengths)
-                scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
-                                          done=jnp.zeros_like(scratch.done),
-                                          num_generated=jnp.zeros_like(scratch.num_generated))
+                scratch = reset(run(self.parts, scratch))  # warm (and, without compile_steps, compile)
                 jax.block_until_ready(scratch.lengths)
                 started = time.perf_counter()
                 scratch = run(self.parts, scratch)
                 jax.block_until_ready(scratch.lengths)
                 costs[rows] = time.perf_counter() - started
-                scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
-                                          done=jnp.zeros_like(scratch.done),
-                                          num_generated=jnp.zeros_like(scratch.num_generated))
+                scratch = reset(scratch)
             del scratch
         self.controller.mark_ready(policy, costs)
         log.info("policy %s ready: %s s per call by live-row bucket", policy,
