@@ -240,10 +240,10 @@ def test_the_memory_alarm_projects_growth_before_the_budget():
 from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E402
 
 
-def _adaptive(target, drafter, slot_count=3, **controller):
+def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, **controller):
     config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
-                         prompt_bucket=16, controller=ControllerConfig(**controller))
-    return Scheduler(target, drafter, config, compile_now=False)
+                         prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree)
+    return Scheduler(target, drafter, config, compile_now=False, latency_cache=latency_cache)
 
 
 def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter):
@@ -379,3 +379,33 @@ def test_a_probe_replaces_a_stale_cost_so_one_bad_call_cannot_lock_a_policy_out(
         else:
             _observe_chain(controller, 0.05, policy=decision.policy)
     assert controller.current == "ar" and controller.seconds_per_call("ar", 1, 128) == pytest.approx(BATCH_ONE["ar"])
+
+
+@pytest.mark.slow
+def test_an_adaptive_server_with_trees_in_its_set_stays_exact(target, drafter, tmp_path):
+    """Auto-sized trees among the policies (their costs measured at the slot count), switched in
+    and out by probes under running greedy and sampled requests: the greedy outputs are AR's."""
+    scheduler = _adaptive(target, drafter, tree=TreeConfig(buckets=(1, 4, 8)), latency_cache=tmp_path,
+                          policies=("ar", "chain:1", "tree"), probe_every=2, patience=1, margin=0.0)
+    limits = [24, 20, 17, 24]
+    try:
+        greedy = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(PROMPTS, limits)]
+        sampled = [scheduler.submit(Request(tuple(p), max_tokens=10, temperature=1.0, seed=i))
+                   for i, p in enumerate(PROMPTS[4:])]
+        results = [h.result(timeout=600) for h in greedy]
+        assert all(h.result(timeout=600).finish_reason in ("length", "stop") for h in sampled)
+    finally:
+        scheduler.shutdown()
+    expected = Engine(target).generate(PROMPTS[:4], max(limits)).tokens
+    for result, whole, limit in zip(results, expected, limits):
+        assert result.token_ids == whole[:limit]
+    used = set().union(*(r.metrics["policy_steps"] for r in results))
+    assert "tree" in used and len(used) >= 2, used
+
+
+def test_the_start_policy_is_the_longest_chain_whatever_else_the_set_holds():
+    assert Controller(("ar", "tree", "chain:3"), BLOCK).current == "chain:3"
+    assert Controller(("tree+refiner", "ar"), BLOCK).current == "ar"
+    assert Controller(("ar", "chain", "chain:7"), 16, ControllerConfig(start="ar")).current == "ar"
+    with pytest.raises(SpecjaxError, match="not among"):
+        Controller(("ar",), BLOCK, ControllerConfig(start="chain"))

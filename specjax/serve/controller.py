@@ -90,7 +90,10 @@ class ControllerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """The controller's answer for one device call."""
+
     policy: str
+    """The policy the call runs."""
     reason: str
     """Why this policy: "start", "hold", "faster", "probe", "pinned" or "ready"."""
     predicted_tokens_per_step: float
@@ -101,12 +104,18 @@ class Decision:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryState:
+    """What the KV projection says after one report."""
+
     bytes_in_use: int
+    """Target KV and drafter context bytes holding tokens now."""
     budget: int
+    """The budget in bytes (0: none set, so never an alarm)."""
     growth_bytes_per_s: float
+    """EMA of the bytes' growth between reports (negative while requests finish)."""
     seconds_to_budget: float
-    """inf when not growing."""
+    """When the budget would be reached at that growth; inf when not growing."""
     alarm: bool
+    """Past the high water mark, or the budget projected inside the horizon."""
 
 
 class Controller:
@@ -121,7 +130,10 @@ class Controller:
         self.config, self.block = config, block
         self.policies = tuple(policies)
         self.drafts = {p: self._drafts(p) for p in self.policies}
-        start = config.start or max(self.policies, key=lambda p: (self.drafts[p], p == "chain"))
+        # The longest chain measures every draft position's acceptance; trees and refined chains
+        # (drafts None) are estimated from their own runs, so they start only when alone.
+        start = config.start or max(self.policies, key=lambda p: (-1 if self.drafts[p] is None else self.drafts[p],
+                                                                  p == "chain"))
         if start not in self.policies:
             raise SpecjaxError(f"start policy {start!r} is not among the policies {self.policies}")
         self.current = start
