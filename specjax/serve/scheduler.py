@@ -350,6 +350,7 @@ class Scheduler:
                 self._bytes_per_token["drafter"] = per_token
         self.controller = Controller(self.policies, self.statics.block, config.controller, config.steps_per_sync)
         self.policy = self.controller.current
+        self._last_ran = self.policy
         self._pins: dict[int, str] = {}  # slot -> policy its request pinned
         self._arrivals: collections.deque[float] = collections.deque(maxlen=64)
         self._device_lock = threading.Lock()  # device calls of the scheduler and of background measuring
@@ -698,12 +699,12 @@ class Scheduler:
         """The controller's choice for the next call (a fixed method's server always has one)."""
         attend = {policy: self._attend_length(policy) for policy in self.policies}
         decoding = [live for live in self._live.values() if not live.prefilling]
-        pins = [self._pins[slot] for slot in sorted(self._pins, key=lambda s: self._live[s].admitted)
-                if slot in self._live]
-        self.controller.pin(pins[0] if pins else None)
+        pinned = sorted((slot for slot in self._pins if slot in self._live), key=lambda s: self._live[s].admitted)
+        self.controller.pin(self._pins[pinned[0]] if pinned else None)  # the oldest pinning request wins
         decision = self.controller.decide(rows, attend, [live.draft_limit for live in decoding])
-        if decision.policy != self.policy or decision.reason == "probe":
-            self.metrics.policy(decision.policy, decision.reason)
+        if decision.policy != self._last_ran:  # a return from a probe is no switch of its own
+            self.metrics.policy(decision.policy, None if decision.reason == "hold" else decision.reason)
+        self._last_ran = decision.policy
         self.policy = self.controller.current
         self.metrics.controller(decision.predicted_tokens_per_step, decision.predicted_tokens_per_s,
                                 self._arrival_rate())
@@ -836,6 +837,7 @@ class Scheduler:
         for (slot, live), start, take in zip(batch, starts, takes):
             live.prefilled = start + len(take)
             self._lengths[slot] = live.prefilled
+            live.generated_reported = 0 if live.prefilling else 1  # the prefill's token is no step's
 
     def _continue_prefills(self) -> None:
         """The next chunk of every slot whose prompt is still being prefilled (one per turn, so the
