@@ -351,7 +351,7 @@ def _ar_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_sl
     methods between steps), the step's tap features go into it, so a later speculative step drafts
     from a context without holes."""
     dcfg = statics.drafter_config
-    keep_context = dcfg is not None and state.context_cache is not None
+    keep_context = dcfg is not None  # empty_slots gives the slots a drafter context exactly then
     keys, draw_keys = split_row_keys(state.keys, 2)
     out = forward(parts.target, statics.target_config, state.last_token[:, None], state.lengths[:, None],
                   state.target_cache, state.lengths, attend_slots=attend_slots,

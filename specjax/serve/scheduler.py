@@ -248,6 +248,7 @@ class _Live:
     resumed: list[int] = dataclasses.field(default_factory=list)
     """Tokens generated before a preemption; the slot's prompt is the request's prompt plus these."""
     draft_limit: int = 0
+    """Most drafts a step commits for this request (SlotState.draft_limit; see _row_limit)."""
     histogram_reported: np.ndarray | None = None
     """The row's accepted-length histogram at the last sync (for the controller's count)."""
     policy_steps: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -432,6 +433,9 @@ class Scheduler:
         attention length, with every row live), and hand both to the controller."""
         if compile_steps:
             self._compile_steps(policy)
+        if len(self.policies) == 1:  # a fixed method: nothing to choose, so nothing to time
+            self.controller.mark_ready(policy, {})
+            return
         attend = self.attend_buckets[0]
         filled = max(1, min(attend // 2, attend - self.config.steps_per_sync * self.step_slack - 1))
         costs = {}
