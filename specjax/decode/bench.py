@@ -94,7 +94,8 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                         sizes["verified"].append(result.stats["tree_nodes_verified"])
                         for size, count in result.stats["tree_bucket_counts"].items():
                             sizes["buckets"][size] = sizes["buckets"].get(size, 0) + count
-                        sizes["latency_model"] = result.stats["latency_model"]
+                        if "latency_model" in result.stats:  # auto-sized trees only; a fixed budget has none
+                            sizes["latency_model"] = result.stats["latency_model"]
                     bar.update(1)
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "batch_size": batch_size, "repeats": repeats,
               "temperature": sampling.temperature, "methods": {}}
@@ -107,8 +108,12 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
             entry["tau"] = float((hist * (np.arange(len(hist)) + 1)).sum() / steps)
             entry["per_position_acceptance"] = (hist[::-1].cumsum()[::-1][1:] / steps).tolist()
             entry["accepted_length_histogram"] = hist.tolist()
+            # Each phase's share of the modelled step time. The phases are timed alone and scaled
+            # by the steps run, because the loop is one fused program; their sum can exceed the
+            # fused loop's wall time, so a share of the wall time could pass 1.
+            modelled = sum(walls[method][f"{key}_s"] for key in ("draft", "verify", "refine"))
             for key in ("draft", "verify", "refine"):
-                entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / walls[method]["wall_s"]
+                entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / modelled if modelled else 0.0
         if passes[method]:
             entry["refine_passes"] = float(np.mean(passes[method]))
         if tree_sizes[method]["chosen"]:
@@ -116,7 +121,8 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
             entry["tree_nodes_chosen"] = float(np.mean(sizes["chosen"]))
             entry["tree_nodes_verified"] = float(np.mean(sizes["verified"]))
             entry["tree_bucket_counts"] = sizes["buckets"]
-            entry["latency_model"] = sizes["latency_model"]
+            if "latency_model" in sizes:
+                entry["latency_model"] = sizes["latency_model"]
         if "ar" in labels and method != "ar":
             entry["speedup_vs_ar"] = statistics.median(
                 s / a for s, a in zip(speeds[method], speeds["ar"]))
