@@ -408,7 +408,8 @@ def cmd_serve(args) -> int:
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
-                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller)
+                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
+                         snapshot_every=args.snapshot_every)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
@@ -483,6 +484,36 @@ def cmd_top(args) -> int:
         run_top(args.url, args.interval)
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def cmd_report(args) -> int:
+    """The monitoring report of a serving run: a PNG over time and a summary."""
+    import json
+
+    from specjax.monitor.report import plot_report, read_run_log, summarize
+
+    snapshots, requests = read_run_log(args.log)
+    out = Path(args.out) if args.out else Path(args.log).with_suffix(".png")
+    plot_report(snapshots, requests, out, title=args.title or Path(args.log).name)
+    summary = summarize(snapshots, requests)
+    if args.json:
+        print(json.dumps({**summary, "plot": str(out)}))
+        return 0
+    pct = lambda x: "-" if x is None else f"{x * 1e3:.0f} ms"  # noqa: E731
+    shares = ", ".join(f"{p} {share:.0%}" for p, share in summary["policy_time_share"].items()) or "-"
+    tau = "-" if summary["tau"] is None else f"{summary['tau']:.2f}"
+    kv = "-" if summary["kv_bytes_max"] is None else f"{summary['kv_bytes_max'] / 2**20:.1f} MiB"
+    budget = "" if not summary["kv_budget"] else f" of a {summary['kv_budget'] / 2**20:.1f} MiB budget"
+    rate = summary["output_tokens_per_s"]
+    print(f"{summary['requests']} requests in {summary['duration_s']:.1f} s "
+          f"({summary['finish_reasons']}); {summary['completion_tokens']} tokens, "
+          f"{'-' if rate is None else f'{rate:.1f}'} tok/s; tau {tau}\n"
+          f"policies by time: {shares}; {summary['switches']:.0f} switches\n"
+          f"KV max {kv}{budget}; alarm for {summary['kv_alarm_s']:.1f} s; {summary['preemptions']:.0f} preemptions\n"
+          f"TTFT p50 {pct(summary['ttft_p50_s'])} p99 {pct(summary['ttft_p99_s'])}; "
+          f"TPOT p50 {pct(summary['tpot_p50_s'])} p99 {pct(summary['tpot_p99_s'])}\n"
+          f"plot written to {out}")
     return 0
 
 
@@ -725,7 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill longer prompts this many tokens per turn, between other slots' steps (0 = whole)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--metrics-log", help="append one JSON line per finished request to this file")
+    srv.add_argument("--metrics-log", help="run log: append one JSON line per finished request and a snapshot of the "
+                                           "live signals every --snapshot-every seconds (plot it: specjax report)")
+    srv.add_argument("--snapshot-every", type=float, default=1.0, help="seconds between run-log snapshots")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on shutdown before they are failed")
     _add_dtype_option(srv)
@@ -755,6 +788,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--url", default="http://127.0.0.1:8000")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.set_defaults(func=cmd_top)
+
+    rep = sub.add_parser("report", help="plot a serving run's log (serve --metrics-log): acceptance, policy, KV "
+                                        "bytes and load over time, latency against load")
+    rep.add_argument("log", help="the run log, a JSON-lines file written by `specjax serve --metrics-log`")
+    rep.add_argument("--out", help="PNG to write (default: the log's path with .png)")
+    rep.add_argument("--title", help="the figure's title (default: the log's file name)")
+    rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    rep.set_defaults(func=cmd_report)
 
     models = sub.add_parser("models", help="list the known model names")
     models.set_defaults(func=cmd_models)

@@ -240,10 +240,12 @@ def test_the_memory_alarm_projects_growth_before_the_budget():
 from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E402
 
 
-def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, **controller):
+def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, metrics_log=None,
+              snapshot_every=1.0, **controller):
     config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
-                         prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree)
-    return Scheduler(target, drafter, config, compile_now=False, latency_cache=latency_cache)
+                         prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree,
+                         snapshot_every=snapshot_every)
+    return Scheduler(target, drafter, config, compile_now=False, latency_cache=latency_cache, metrics_log=metrics_log)
 
 
 def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter):
@@ -277,13 +279,17 @@ def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter
     assert "specjax:controller_predicted_tokens_per_step" in text and 'specjax:output_distinct_n{n="2"}' in text
 
 
-def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, drafter):
+def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, drafter, tmp_path):
     """A budget of about 60 tokens' KV for three requests that grow to 30 each: the newest rows are
-    preempted and recomputed later, and every greedy output is still AR's."""
+    preempted and recomputed later, and every greedy output is still AR's. The run log's report
+    shows the budget, the alarm and the preemptions."""
     from specjax.decode.memory import target_kv_bytes
+    from specjax.monitor.report import plot_report, read_run_log, summarize
 
     per_token = target_kv_bytes(TINY, 1, 1) + 1  # (the drafter's context adds a little more per token)
-    scheduler = _adaptive(target, drafter, kv_budget_bytes=60 * per_token, kv_high_water=0.9, probe_every=0)
+    log = tmp_path / "run.jsonl"
+    scheduler = _adaptive(target, drafter, kv_budget_bytes=60 * per_token, kv_high_water=0.9, probe_every=0,
+                          metrics_log=log, snapshot_every=0.01)
     limits = [24, 24, 24]
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0))
@@ -297,6 +303,17 @@ def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, 
         assert result.token_ids == whole[:limit]
     assert sum(r.metrics["preemptions"] for r in results) >= 1
     assert "specjax:preemptions_total" in text and "specjax:kv_cache_budget_bytes" in text
+
+    snapshots, requests = read_run_log(log)
+    assert len(requests) == 3 and len(snapshots) >= 2
+    summary = summarize(snapshots, requests)
+    assert summary["preemptions"] == sum(r.metrics["preemptions"] for r in results)
+    assert summary["kv_budget"] == 60 * per_token and summary["kv_bytes_max"] > 0
+    assert summary["completion_tokens"] == sum(limits)
+    assert abs(sum(summary["policy_time_share"].values()) - 1) < 1e-9
+    assert max(s["running"] for s in snapshots) >= 2
+    png = plot_report(snapshots, requests, tmp_path / "run.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_request_fields_reach_the_server_over_http(target, drafter):
@@ -409,3 +426,50 @@ def test_the_start_policy_is_the_longest_chain_whatever_else_the_set_holds():
     assert Controller(("ar", "chain", "chain:7"), 16, ControllerConfig(start="ar")).current == "ar"
     with pytest.raises(SpecjaxError, match="not among"):
         Controller(("ar",), BLOCK, ControllerConfig(start="chain"))
+
+
+def test_the_run_report_reads_snapshots_and_requests_and_rejects_bad_logs(tmp_path, capsys):
+    """Snapshots turn counter totals into interval rates; the report's summary and figure come from
+    the log alone; a missing, empty or malformed log is a clear error."""
+    import json
+
+    from specjax.cli import main
+    from specjax.monitor.serving import ServingMetrics
+
+    import time
+
+    log = tmp_path / "run.jsonl"
+    metrics = ServingMetrics("adaptive", log, snapshot_every=0.5)
+    start = time.time() - 2.0  # the snapshot close() writes comes at the real time
+    metrics.tick(now=start)  # the first tick starts the first interval
+    metrics.policy("chain", None)
+    metrics.verify_steps(10, 30, [6, 3, 1])  # 10 steps, 30 drafts: tau 1 + 10/10 = 2
+    metrics.tokens_streamed(20, None)
+    metrics.tick(now=start + 0.2)  # not due yet
+    metrics.tick(now=start + 1.0)
+    metrics.policy("ar", "faster")
+    metrics.tokens_streamed(5, 0.5)
+    metrics.tick(now=start + 2.0)
+    metrics.finished("length", 1.5, {"id": 0, "finish_reason": "length", "e2e_s": 1.5, "ttft_s": 0.5,
+                                     "completion_tokens": 11, "preemptions": 0})
+    metrics.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    snaps = [r for r in lines if r["kind"] == "snapshot"]
+    assert [s["policy"] for s in snaps[:2]] == ["chain", "ar"]
+    assert snaps[0]["tau"] == 2.0 and snaps[0]["per_position_acceptance"] == [0.6, 0.3, 0.1]
+    assert snaps[0]["tokens_per_s"] == 20.0 and snaps[1]["tokens_per_s"] == 5.0 and snaps[1]["tau"] is None
+    assert snaps[1]["switches"] == 1
+
+    assert main(["report", str(log), "--out", str(tmp_path / "r.png"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["requests"] == 1 and summary["tpot_p50_s"] == pytest.approx(0.1)
+    assert summary["policy_time_share"]["chain"] == pytest.approx(0.5, abs=0.05)
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+    assert main(["report", str(tmp_path / "missing.jsonl")]) != 0
+    assert "--metrics-log" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"time": 1}\nnot json\n')
+    assert main(["report", str(tmp_path / "bad.jsonl")]) != 0
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert main(["report", str(tmp_path / "empty.jsonl")]) != 0

@@ -24,7 +24,10 @@ class ServingMetrics:
     """Counters, gauges and histograms of one serving engine (its own registry, so several engines in
     one process, as in tests, never collide)."""
 
-    def __init__(self, method: str, log_path: str | Path | None = None):
+    def __init__(self, method: str, log_path: str | Path | None = None, snapshot_every: float = 1.0):
+        """log_path: a JSON-lines run log (`specjax report` plots it): one `"kind": "request"` line
+        per finished request and, every snapshot_every seconds while the engine reports, one
+        `"kind": "snapshot"` line of the live signals over that interval."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.drafts = Counter("specjax:spec_decode_num_drafts", "Verify steps that checked a draft (per request row)",
@@ -91,6 +94,8 @@ class ServingMetrics:
         self.queue_time = histogram("specjax:request_queue_time_seconds", "Arrival to prefill")
         self._lock = threading.Lock()
         self._log = open(log_path, "a") if log_path else None
+        self.snapshot_every = snapshot_every
+        self._last_snapshot: tuple[float, dict[str, float]] | None = None  # (time, the counters then)
 
     # ---- events the scheduler reports ----
 
@@ -178,10 +183,66 @@ class ServingMetrics:
                 values.append(value)
                 del values[:-64]
                 self.distinct.labels(n=n).set(sum(values) / len(values))
-        if self._log is not None and record is not None:
-            with self._lock:
-                self._log.write(json.dumps({"time": time.time(), **record}) + "\n")
-                self._log.flush()
+        if record is not None:
+            self._write({"kind": "request", "time": time.time(), **record})
+
+    def tick(self, now: float | None = None) -> None:
+        """Called by the engine after each device call: writes a snapshot to the run log when
+        snapshot_every seconds have passed since the last one."""
+        if self._log is None:
+            return
+        now = time.time() if now is None else now
+        if self._last_snapshot is None:
+            self._last_snapshot = (now, self._counters())
+        elif now - self._last_snapshot[0] >= self.snapshot_every:
+            self._write(self.snapshot(now))
+
+    def snapshot(self, now: float | None = None) -> dict:
+        """The live signals, with rates and acceptance over the interval since the last snapshot."""
+        now = time.time() if now is None else now
+        counters = self._counters()
+        then, before = self._last_snapshot or (now, {name: 0.0 for name in counters})
+        self._last_snapshot = (now, counters)
+        delta = {name: counters[name] - before.get(name, 0.0) for name in counters}
+        seconds = now - then
+        drafts = delta["drafts"]
+        positions = sorted((int(name.split(":")[1]), name) for name in counters if name.startswith("pos:"))
+        value = self.registry.get_sample_value
+        return {
+            "kind": "snapshot", "time": now, "interval_s": seconds,
+            "policy": next((s.labels["policy"] for s in self.policy_info.collect()[0].samples if s.value == 1), None),
+            "tokens_per_s": delta["tokens"] / seconds if seconds > 0 else None,
+            # Mean acceptance length and per-position acceptance of the rows' verify steps in the interval.
+            "tau": 1.0 + delta["accepted"] / drafts if drafts else None,
+            "per_position_acceptance": [delta[name] / drafts for _, name in positions] if drafts else [],
+            "running": value("specjax:num_requests_running"), "waiting": value("specjax:num_requests_waiting"),
+            "arrival_rate": value("specjax:arrival_rate_per_second"),
+            "kv_bytes": {s.labels["part"]: s.value for s in self.kv_bytes.collect()[0].samples},
+            "kv_budget": value("specjax:kv_cache_budget_bytes"), "kv_alarm": value("specjax:kv_cache_alarm"),
+            "predicted_tokens_per_step": value("specjax:controller_predicted_tokens_per_step"),
+            "measured_tokens_per_step": value("specjax:controller_measured_tokens_per_step"),
+            "step_s": value("specjax:step_seconds", {"phase": "step"}),
+            "preemptions": counters["preemptions"], "switches": counters["switches"],
+        }
+
+    def _counters(self) -> dict[str, float]:
+        """Totals of the counters a snapshot turns into rates (every label summed, per position kept)."""
+        def total(counter) -> float:
+            return sum(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
+        out = {"tokens": total(self.generation_tokens), "drafts": total(self.drafts),
+               "accepted": total(self.accepted_tokens), "preemptions": total(self.preemptions),
+               "switches": total(self.switches)}
+        for sample in self.accepted_per_pos.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                out[f"pos:{sample.labels['position']}"] = sample.value
+        return out
+
+    def _write(self, record: dict) -> None:
+        if self._log is None:
+            return
+        with self._lock:
+            self._log.write(json.dumps(record) + "\n")
+            self._log.flush()
 
     # ---- export ----
 
@@ -190,5 +251,7 @@ class ServingMetrics:
 
     def close(self) -> None:
         if self._log is not None:
+            if self._last_snapshot is not None:
+                self._write(self.snapshot())
             self._log.close()
             self._log = None

@@ -85,12 +85,17 @@ class ServeConfig:
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
     whole prompts."""
+    snapshot_every: float = 1.0
+    """Seconds between the live-signal snapshots written to the run log (`metrics_log`), which
+    `specjax report` plots."""
 
     def __post_init__(self):
         check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
                        steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue,
                        insert_rows=self.insert_rows)
         check_at_least(0, prefill_chunk=self.prefill_chunk)
+        if not self.snapshot_every > 0:
+            raise SpecjaxError(f"snapshot_every must be positive seconds, got {self.snapshot_every}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +341,7 @@ class Scheduler:
             self.parts = self.parts.replace(tree_costs=self.latency.costs())
         for policy in self.policies:
             slot_api.check_method(policy, self.statics, self.parts)
-        self.metrics = ServingMetrics(config.method, metrics_log)
+        self.metrics = ServingMetrics(config.method, metrics_log, config.snapshot_every)
         self._work_shape = StepShape(
             model.config, tree_bytes(model.params), config.slots,
             None if drafter is None else drafter.config, 0 if drafter is None else tree_bytes(drafter.params),
@@ -639,6 +644,7 @@ class Scheduler:
                 self._admit()
                 self._continue_prefills()
                 if not self._live:
+                    self.metrics.tick()  # an idle server's snapshots show the load falling to zero
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
@@ -887,6 +893,7 @@ class Scheduler:
                 self._finish(slot, live, "error", now, synced[3][slot], synced[4][slot],
                              error=f"{type(error).__name__}: {error}")
         self._report_memory(synced[5])
+        self.metrics.tick()
 
     def _observe_call(self, seconds: float, attend: int, rows: int, policy: str, synced) -> None:
         """Tell the controller what the call did: committed tokens, row steps and, for chains, how
