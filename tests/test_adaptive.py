@@ -279,16 +279,17 @@ def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter
     assert "specjax:controller_predicted_tokens_per_step" in text and 'specjax:output_distinct_n{n="2"}' in text
 
 
-def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, drafter, tmp_path):
-    """A budget of about 60 tokens' KV for three requests that grow to 30 each: the newest rows are
-    preempted and recomputed later, and every greedy output is still AR's. The run log's report
-    shows the budget, the alarm and the preemptions."""
+def test_kv_pressure_drops_drafter_states_then_preempts_and_outputs_stay_exact(target, drafter, tmp_path):
+    """A budget of 40 tokens' target KV for three requests that grow to about 30 tokens each: the
+    drafter states go first, then the newest rows are preempted and recomputed later, and every
+    greedy output is still AR's. The run log's report shows the budget, the drops and the
+    preemptions."""
     from specjax.decode.memory import target_kv_bytes
     from specjax.monitor.report import plot_report, read_run_log, summarize
 
-    per_token = target_kv_bytes(TINY, 1, 1) + 1  # (the drafter's context adds a little more per token)
+    per_token = target_kv_bytes(TINY, 1, 1)
     log = tmp_path / "run.jsonl"
-    scheduler = _adaptive(target, drafter, kv_budget_bytes=60 * per_token, kv_high_water=0.9, probe_every=0,
+    scheduler = _adaptive(target, drafter, kv_budget_bytes=40 * per_token, kv_high_water=0.9, probe_every=0,
                           metrics_log=log, snapshot_every=0.01)
     limits = [24, 24, 24]
     try:
@@ -302,18 +303,40 @@ def test_kv_pressure_preempts_the_newest_request_and_it_resumes_exactly(target, 
     for result, whole, limit in zip(results, expected, limits):
         assert result.token_ids == whole[:limit]
     assert sum(r.metrics["preemptions"] for r in results) >= 1
+    dropped = sum(r.metrics["drafter_state_dropped"] for r in results)
+    drops = scheduler.metrics.registry.get_sample_value("specjax:drafter_states_dropped_total")
+    assert drops >= max(dropped, 1)
     assert "specjax:preemptions_total" in text and "specjax:kv_cache_budget_bytes" in text
 
     snapshots, requests = read_run_log(log)
     assert len(requests) == 3 and len(snapshots) >= 2
     summary = summarize(snapshots, requests)
     assert summary["preemptions"] == sum(r.metrics["preemptions"] for r in results)
-    assert summary["kv_budget"] == 60 * per_token and summary["kv_bytes_max"] > 0
+    assert summary["drafter_states_dropped"] == drops  # (a request preempted after a drop resumes with a state)
+    assert summary["kv_budget"] == 40 * per_token and summary["kv_bytes_max"] > 0
     assert summary["completion_tokens"] == sum(limits)
     assert abs(sum(summary["policy_time_share"].values()) - 1) < 1e-9
     assert max(s["running"] for s in snapshots) >= 2
     png = plot_report(snapshots, requests, tmp_path / "run.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_relief_drops_drafter_states_before_it_preempts():
+    """Drafter states go first (newest, and non-speculating rows, first); preemption covers only what
+    the staying rows' drafter states cannot; one request always stays."""
+    from specjax.serve.controller import HeldRow, relieve_memory
+
+    rows = [HeldRow(0, 0.0, 100, True), HeldRow(1, 1.0, 50, True), HeldRow(2, 2.0, 10, True)]
+    per = {"target": 10, "drafter": 1}
+    plan = lambda excess, rows=rows, per=per: relieve_memory(rows, per, excess)  # noqa: E731
+    assert (plan(5).drop_drafter, plan(5).preempt) == ((2,), ())
+    assert (plan(15).drop_drafter, plan(15).preempt, plan(15).freed_bytes) == ((2, 1), (), 60)
+    assert (plan(200).drop_drafter, plan(200).preempt, plan(200).freed_bytes) == ((1, 0), (2,), 260)
+    assert (plan(10_000).drop_drafter, plan(10_000).preempt) == ((0,), (2, 1))
+    quiet = [HeldRow(0, 0.0, 100, True, speculating=False)] + rows[1:]
+    assert plan(5, quiet).drop_drafter == (0,)
+    assert (plan(5, per={"target": 10}).drop_drafter, plan(5, per={"target": 10}).preempt) == ((), (2,))
+    assert plan(10_000, [rows[0]]).preempt == ()
 
 
 def test_the_request_fields_reach_the_server_over_http(target, drafter):
@@ -350,15 +373,19 @@ def test_the_dashboard_shows_the_controllers_decisions():
     metrics.measured_tokens_per_step(3.25)
     metrics.memory_budget(64 * 2**20, 2.5, True)
     metrics.preempted()
+    metrics.drafter_state_dropped()
+    metrics.drafter_state_dropped()
     metrics.finished("stop", 1.0, {"distinct_2": 0.5, "distinct_3": 0.75})
     view = summarize(parse_metrics(metrics.prometheus_text()), None)
     assert view["policy"] == "ar" and view["switches"] == {"faster": 2, "probe": 1}
-    assert view["kv_alarm"] and view["preemptions"] == 1 and view["distinct"] == {"2": 0.5, "3": 0.75}
+    assert view["kv_alarm"] and view["preemptions"] == 1 and view["drafter_drops"] == 2
+    assert view["distinct"] == {"2": 0.5, "3": 0.75}
     console = Console(width=160, record=True)
     console.print(render(view, "http://127.0.0.1:1"))
     screen = console.export_text()
     assert "policy ar" in screen and "faster 2, probe 1" in screen and "predicted 3.50, measured 3.25" in screen
     assert "ALARM" in screen and "2.5 s" in screen and "preempted 1" in screen and "2: 0.50" in screen
+    assert "drafter states dropped 2" in screen
 
 
 def test_probes_back_off_while_a_load_holds_and_resume_when_it_changes():

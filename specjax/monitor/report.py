@@ -81,6 +81,7 @@ def summarize(snapshots: list[dict], requests: list[dict]) -> dict:
         "switches": max([s.get("switches", 0) for s in snapshots], default=0),
         "preemptions": max([s.get("preemptions", 0) for s in snapshots] +
                            [r.get("preemptions", 0) for r in requests], default=0),
+        "drafter_states_dropped": max([s.get("drafter_drops", 0) for s in snapshots], default=0),
         "kv_bytes_max": max(kv, default=None),
         "kv_budget": next((s["kv_budget"] for s in snapshots if s.get("kv_budget")), None),
         "kv_alarm_s": sum(s.get("interval_s", 0.0) for s in snapshots if s.get("kv_alarm")),
@@ -151,8 +152,11 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     preempt = np.diff([0.0] + [s.get("preemptions", 0.0) for s in snapshots])
     for when in t[preempt > 0]:
         kv_ax.axvline(when, color="black", lw=0.8, alpha=0.6)
+    drops = np.diff([0.0] + [s.get("drafter_drops", 0.0) for s in snapshots])
+    for when in t[drops > 0]:
+        kv_ax.axvline(when, color="tab:purple", lw=0.8, ls=":", alpha=0.8)
     kv_ax.set_ylabel("MiB")
-    kv_ax.set_title("KV bytes in use (black lines: preemptions)")
+    kv_ax.set_title("KV bytes in use (black lines: preemptions; dotted: drafter states dropped)")
     if kv_ax.get_legend_handles_labels()[0]:
         kv_ax.legend(fontsize=8, loc="upper left")
 

@@ -84,6 +84,9 @@ class ServingMetrics:
                               registry=r)
         self.preemptions = Counter("specjax:preemptions", "Requests preempted (recomputed later) under KV pressure",
                                    registry=r)
+        self.drafter_drops = Counter("specjax:drafter_states_dropped",
+                                     "Requests whose drafter state was dropped under KV pressure (they go on "
+                                     "without drafts)", registry=r)
         self.distinct = Gauge("specjax:output_distinct_n", "Mean distinct-n of the last 64 finished outputs "
                               "(repetition shows as a low value)", ["n"], registry=r)
         self._distinct: dict[str, list[float]] = {"2": [], "3": []}
@@ -174,6 +177,9 @@ class ServingMetrics:
     def preempted(self) -> None:
         self.preemptions.inc()
 
+    def drafter_state_dropped(self) -> None:
+        self.drafter_drops.inc()
+
     def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
         self.requests.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_seconds)
@@ -222,7 +228,8 @@ class ServingMetrics:
             "predicted_tokens_per_step": value("specjax:controller_predicted_tokens_per_step"),
             "measured_tokens_per_step": value("specjax:controller_measured_tokens_per_step"),
             "step_s": value("specjax:step_seconds", {"phase": "step"}),
-            "preemptions": counters["preemptions"], "switches": counters["switches"],
+            "preemptions": counters["preemptions"], "drafter_drops": counters["drafter_drops"],
+            "switches": counters["switches"],
         }
 
     def _counters(self) -> dict[str, float]:
@@ -231,6 +238,7 @@ class ServingMetrics:
             return sum(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
         out = {"tokens": total(self.generation_tokens), "drafts": total(self.drafts),
                "accepted": total(self.accepted_tokens), "preemptions": total(self.preemptions),
+               "drafter_drops": total(self.drafter_drops),
                "switches": total(self.switches)}
         for sample in self.accepted_per_pos.collect()[0].samples:
             if sample.name.endswith("_total"):

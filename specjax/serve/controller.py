@@ -20,7 +20,10 @@ Bastion's tree-size rule generalised from one sequence to a batch and to a choic
 - Policies not run lately are probed for one call every `probe_every` calls, so estimates of a
   policy that became good again are not stuck at old values.
 - Memory: bytes in use and their growth give a projected time to the KV budget; crossing the high
-  water mark or a projection inside the horizon raises the alarm, and the scheduler preempts.
+  water mark or a projection inside the horizon raises the alarm, which pauses admission. Past the
+  high water mark, `relieve_memory` plans what to free: drafter states first (the row goes on
+  without speculation, output unchanged), preemption of the newest requests only for what dropping
+  drafter states cannot cover.
 
 Nothing here touches devices or HTTP: the scheduler feeds it numbers and asks for decisions.
 """
@@ -116,6 +119,53 @@ class MemoryState:
     """When the budget would be reached at that growth; inf when not growing."""
     alarm: bool
     """Past the high water mark, or the budget projected inside the horizon."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldRow:
+    """What one decoding request holds, for `relieve_memory`."""
+
+    slot: int
+    admitted: float
+    """When it was admitted: the newest is preempted first (it has the least work to redo)."""
+    tokens: int
+    """Positions it holds in the target's KV cache (and in the drafter's context, if held)."""
+    holds_drafter: bool
+    """Whether its drafter context is still counted."""
+    speculating: bool = True
+    """False for a request limited to 0 drafts: dropping its drafter state loses nothing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Relief:
+    drop_drafter: tuple[int, ...]
+    """Slots whose drafter state is dropped: they commit one token per step from now on."""
+    preempt: tuple[int, ...]
+    """Slots preempted: their requests go back to the queue with their tokens so far."""
+    freed_bytes: int
+
+
+def relieve_memory(rows: Sequence[HeldRow], bytes_per_token: dict[str, int], excess_bytes: int) -> Relief:
+    """Free at least excess_bytes, losing as little as possible. Dropping a drafter state costs only
+    speculation (no recompute), so preemption covers just what the drafter states of the rows that
+    stay cannot; then drafter states go, newest request first. One request always stays, so the
+    server makes progress (a request alone is never preempted)."""
+    target, drafter = bytes_per_token.get("target", 0), bytes_per_token.get("drafter", 0)
+    staying = sorted(rows, key=lambda r: r.admitted)  # oldest first; the newest is popped first
+    droppable = lambda: sum(r.tokens * drafter for r in staying if r.holds_drafter)  # noqa: E731
+    preempt, freed = [], 0
+    while len(staying) > 1 and excess_bytes - freed > droppable():
+        row = staying.pop()
+        preempt.append(row.slot)
+        freed += row.tokens * (target + (drafter if row.holds_drafter else 0))
+    drop = []
+    for row in sorted(reversed(staying), key=lambda r: r.speculating):  # stable: newest first within each
+        if freed >= excess_bytes:
+            break
+        if row.holds_drafter and drafter:
+            drop.append(row.slot)
+            freed += row.tokens * drafter
+    return Relief(tuple(drop), tuple(preempt), freed)
 
 
 class Controller:

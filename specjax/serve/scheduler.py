@@ -40,7 +40,7 @@ from specjax.models.cache import tree_bytes
 from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
-from specjax.serve.controller import Controller, ControllerConfig
+from specjax.serve.controller import Controller, ControllerConfig, HeldRow, relieve_memory
 
 log = logging.getLogger("specjax.serve")
 
@@ -258,6 +258,8 @@ class _Live:
     """The row's accepted-length histogram at the last sync (for the controller's count)."""
     policy_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     """Verify steps this request took under each batch policy."""
+    holds_drafter: bool = True
+    """False once memory pressure dropped its drafter state (it then decodes without drafts)."""
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -1001,6 +1003,7 @@ class Scheduler:
             "draft_limit": live.draft_limit,
             "policy_steps": dict(live.policy_steps),
             "preemptions": live.handle._carry.get("preemptions", 0),
+            "drafter_state_dropped": not live.holds_drafter,
             # Quality beside speed: high acceptance from degenerate repetition shows as low distinct-n.
             "distinct_2": distinct_n(ids, 2),
             "distinct_3": distinct_n(ids, 3),
@@ -1044,16 +1047,39 @@ class Scheduler:
         used = {slot: int(lengths[slot]) for slot in self._live}
         tokens_held = sum(used.values())
         capacity = self.config.slots * self.statics.slot.cache_length
-        bytes_in_use = {part: tokens_held * per for part, per in self._bytes_per_token.items()}
+        # Bytes holding tokens, as a paged allocator would count its pages: the slot arrays are
+        # allocated once, and the budget bounds what live requests occupy of them.
+        bytes_in_use = {"target": tokens_held * self._bytes_per_token["target"]}
+        if "drafter" in self._bytes_per_token:
+            drafting = sum(n for slot, n in used.items() if self._live[slot].holds_drafter)
+            bytes_in_use["drafter"] = drafting * self._bytes_per_token["drafter"]
         self.metrics.memory(tokens_held / capacity, bytes_in_use, self._bytes_per_token)
         state = self.memory_state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
         self.metrics.memory_budget(state.budget, state.seconds_to_budget, state.alarm)
-        # Past the high water mark, preempt the newest request: its tokens so far become part of its
-        # prompt when it is admitted again (recomputed, as vLLM does), and it streams on from there.
-        decoding = [slot for slot, live in self._live.items() if not live.prefilling]
-        if state.budget and state.bytes_in_use >= self.config.controller.kv_high_water * state.budget \
-                and len(decoding) > 1:
-            self._preempt(max(decoding, key=lambda slot: self._live[slot].admitted))
+        # Past the high water mark, free the excess: drafter states first (speculation is lost, no
+        # work), then the newest requests are preempted: their tokens so far become part of their
+        # prompt when they are admitted again (recomputed, as vLLM does), and they stream on from there.
+        high_water = int(self.config.controller.kv_high_water * state.budget)
+        if not state.budget or state.bytes_in_use < high_water:
+            return
+        rows = [HeldRow(slot, live.admitted, used[slot], live.holds_drafter and "drafter" in self._bytes_per_token,
+                        speculating=live.draft_limit > 0) for slot, live in self._live.items() if not live.prefilling]
+        relief = relieve_memory(rows, self._bytes_per_token, state.bytes_in_use - high_water)
+        for slot in relief.preempt:
+            self._preempt(slot)
+        for slot in relief.drop_drafter:
+            self._drop_drafter_state(slot)
+
+    def _drop_drafter_state(self, slot: int) -> None:
+        """The row decodes on without drafts (a draft limit of 0 is exact under every policy), and its
+        drafter context no longer counts against the budget."""
+        live = self._live[slot]
+        live.holds_drafter = False
+        live.draft_limit = 0
+        self._pins.pop(slot, None)
+        self._state = self._state.replace(draft_limit=self._state.draft_limit.at[slot].set(0))
+        self.metrics.drafter_state_dropped()
+        log.info("dropped the drafter state of request %d: KV bytes past the high water mark", live.handle.id)
 
     def _preempt(self, slot: int) -> None:
         live = self._live.pop(slot)

@@ -112,6 +112,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         "kv_to_budget": new.gauges.get("kv_cache_projected_seconds_to_budget"),
         "kv_alarm": bool(new.gauges.get("kv_cache_alarm", 0.0)),
         "preemptions": new.counters.get("preemptions", 0.0),
+        "drafter_drops": new.counters.get("drafter_states_dropped", 0.0),
         "distinct": {n: new.gauges[f"output_distinct_n:{n}"] for n in ("2", "3") if f"output_distinct_n:{n}" in new.gauges},
     }
 
@@ -156,7 +157,8 @@ def render(view: dict, url: str):
                      + ("  [b red]ALARM[/b red]" if view["kv_alarm"] else ""),
                      "reached in " + ("never (not growing)" if to_budget is None or to_budget < 0
                                       else f"{to_budget:.1f} s at the current growth"),
-                     f"[b]preempted[/b] {view['preemptions']:.0f}")
+                     f"[b]preempted[/b] {view['preemptions']:.0f}  [b]drafter states dropped[/b] "
+                     f"{view['drafter_drops']:.0f}")
     if view.get("distinct"):
         head.add_row("[b]output distinct-n[/b] " + ", ".join(f"{n}: {v:.2f}" for n, v in view["distinct"].items()),
                      "(low means repetition)", "")
