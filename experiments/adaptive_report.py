@@ -1,7 +1,9 @@
-"""Summarise `experiments/adaptive_sweep.sh`: output tok/s and TPOT per method and concurrency, the
-adaptive server's ratio to the best fixed policy at each load, and what its controller did.
+"""Summarise `experiments/adaptive_sweep.sh`: output tok/s and p50/p99 TPOT per method and request
+rate; at each rate the adaptive server's throughput against the best fixed policy's and its p50 TPOT
+against that policy's; for each fixed policy, the rate where adaptive beats it by the most; what the
+controller did; and a plot of throughput and TPOT against rate for every method.
 
-    python experiments/adaptive_report.py OUT_DIR METHODS CONCURRENCIES
+    python experiments/adaptive_report.py OUT_DIR METHODS
 """
 
 from __future__ import annotations
@@ -13,35 +15,80 @@ from pathlib import Path
 from specjax.serve.top import parse_metrics
 
 
-def main(out: str, methods: str, concurrencies: str) -> None:
+def _name(method: str) -> str:
+    return method.replace(":", "_").replace("@", "_")
+
+
+def main(out: str, methods: str) -> None:
     folder = Path(out)
-    methods, loads = methods.split(","), [int(c) for c in concurrencies.split(",")]
-    rows = {(m, c): json.loads((folder / f"{m.replace(':', '_')}.c{c}.json").read_text()) for m in methods for c in loads}
-    print("| method | " + " | ".join(f"{c} clients: tok/s (TPOT p50)" for c in loads) + " |")
-    print("|---|" + "---|" * len(loads))
+    methods = methods.split(",")
+    sweeps = {m: json.loads((folder / f"{_name(m)}.sweep.json").read_text())["sweep"] for m in methods}
+    rates = [row["request_rate"] for row in sweeps[methods[0]]]
+    at = {(m, row["request_rate"]): row for m in methods for row in sweeps[m]}
+    label = lambda r: "all at once" if r is None else f"{r:g} req/s"  # noqa: E731
+    print("Output tok/s (TPOT p50 / p99 ms) at each request rate:\n")
+    print("| method | " + " | ".join(label(r) for r in rates) + " |")
+    print("|---|" + "---|" * len(rates))
     for m in methods:
-        cells = [f"{rows[m, c]['output_token_throughput']:.1f} ({rows[m, c]['tpot_ms']['p50']:.0f} ms)" for c in loads]
+        cells = []
+        for r in rates:
+            row = at[m, r]
+            tpot = row["tpot_ms"]
+            cells.append(f"{row['output_token_throughput']:.1f} ({tpot['p50']:.0f} / {tpot['p99']:.0f})")
         print(f"| {m} | " + " | ".join(cells) + " |")
     fixed = [m for m in methods if m != "adaptive"]
     if "adaptive" in methods and fixed:
         print()
-        for c in loads:
-            best = max(fixed, key=lambda m: rows[m, c]["output_token_throughput"])
-            ratio = rows["adaptive", c]["output_token_throughput"] / rows[best, c]["output_token_throughput"]
-            print(f"- {c} clients: adaptive / best fixed ({best}) = {ratio:.2f}")
-        print()
-        for c in loads:  # the counters are cumulative: each run's switches are the difference
-            snap = parse_metrics((folder / f"adaptive.c{c}.metrics.txt").read_text())
-            switches = {k.removeprefix("switches_"): int(v) for k, v in snap.counters.items()
-                        if k.startswith("switches_")}
-            print(f"- adaptive, switches by reason after the {c}-client run (cumulative): {switches}")
-        records = [json.loads(line) for line in (folder / "adaptive.requests.jsonl").read_text().splitlines()]
+        for r in rates:
+            best = max(fixed, key=lambda m: at[m, r]["output_token_throughput"])
+            ratio = at["adaptive", r]["output_token_throughput"] / at[best, r]["output_token_throughput"]
+            tpot = at["adaptive", r]["tpot_ms"]["p50"] / at[best, r]["tpot_ms"]["p50"]
+            print(f"- {label(r)}: adaptive / best fixed ({best}) = {ratio:.2f} in throughput, "
+                  f"{tpot:.2f} in p50 TPOT; {at['adaptive', r]['failed']} adaptive requests failed")
+        for m in fixed:
+            gains = {r: at["adaptive", r]["output_token_throughput"] / at[m, r]["output_token_throughput"] for r in rates}
+            r = max(gains, key=gains.get)
+            print(f"- against {m}: adaptive's largest lead is {gains[r]:.2f}x at {label(r)}")
+        snap = parse_metrics((folder / "adaptive.metrics.txt").read_text())
+        switches = {k.removeprefix("switches_"): int(v) for k, v in snap.counters.items() if k.startswith("switches_")}
+        print(f"- adaptive, policy switches by reason over the sweep: {switches}")
         steps: dict[str, int] = {}
-        for record in records:
-            for policy, count in record.get("policy_steps", {}).items():
-                steps[policy] = steps.get(policy, 0) + count
-        print(f"- adaptive, request steps by policy over the whole sweep: {steps}")
+        for line in (folder / "adaptive.run.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("kind", "request") == "request":
+                for policy, count in record.get("policy_steps", {}).items():
+                    steps[policy] = steps.get(policy, 0) + count
+        print(f"- adaptive, request steps by policy over the sweep: {steps}")
+    plot(folder / "sweep.png", methods, rates, at)
+    print(f"\nplot: {folder / 'sweep.png'}")
+
+
+def plot(path: Path, methods: list[str], rates: list, at: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(rates)))  # evenly spaced: the rates span idle to overload
+    fig, (thr, p50, p99) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for m in methods:
+        style = dict(lw=2.5, color="black") if m == "adaptive" else dict(lw=1.2)
+        thr.plot(xs, [at[m, r]["output_token_throughput"] for r in rates], "-o", label=m, **style)
+        p50.plot(xs, [at[m, r]["tpot_ms"]["p50"] for r in rates], "-o", label=m, **style)
+        p99.plot(xs, [at[m, r]["tpot_ms"]["p99"] for r in rates], "-o", label=m, **style)
+    names = ["all" if r is None else f"{r:g}" for r in rates]
+    for ax, title, unit in ((thr, "Output throughput", "tokens/s"), (p50, "TPOT p50", "ms"), (p99, "TPOT p99", "ms")):
+        ax.set_xticks(xs, names)
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    thr.legend(fontsize=8)
+    fig.suptitle("Adaptive against fixed policies across load (specjax, experiments/adaptive_sweep.sh)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])

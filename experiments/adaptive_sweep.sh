@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 # The adaptive controller against fixed policies across a load sweep (issue 16): for each server
-# method, start `specjax serve`, wait until every policy is compiled, then hold 1, 4 and 8 concurrent
-# clients on the held-out chat prompts with `specjax bench-serve` (loopback only), scrape /metrics,
-# and stop the server. One process per method, run one after another, so timings never overlap.
-# A summary table goes to stdout and $OUT/summary.md (default runs/adaptive_sweep).
+# method, start `specjax serve`, wait until every policy is compiled, then sweep request rates from
+# idle to past saturation with `specjax bench-serve --rates` on the held-out chat prompts (loopback
+# only, the same prompts and arrival times for every method), scrape /metrics, and stop the server.
+# One server at a time, so timings never overlap. A table goes to stdout and $OUT/summary.md, a plot
+# of throughput and p50/p99 TPOT against rate to $OUT/sweep.png, and the monitoring report of each
+# run log to $OUT/<method>.report.png (default OUT: runs/adaptive_sweep).
 #
-#   bash experiments/adaptive_sweep.sh [METHODS] [CONCURRENCIES] [MAX_TOKENS] [SLOTS]
-#   bash experiments/adaptive_sweep.sh adaptive,ar,chain,chain:3 1,4,8 64 8
+#   bash experiments/adaptive_sweep.sh [METHODS] [RATES] [REQUESTS] [MAX_TOKENS] [SLOTS]
+#   bash experiments/adaptive_sweep.sh adaptive,ar,chain,tree,tree@16 0.1,0.4,0.8,1.6 16 64 8
 #   SERVE_ARGS="--dtype bfloat16 --query-rows 0" bash experiments/adaptive_sweep.sh
+# A method written M@N is method M with a fixed tree of N nodes (--tree-budget N).
 set -euo pipefail
-METHODS=${1:-adaptive,ar,chain,chain:3}
-CONCURRENCIES=${2:-1,4,8}
-MAX_TOKENS=${3:-64}
-SLOTS=${4:-8}
+METHODS=${1:-adaptive,ar,chain,tree,tree@16}
+RATES=${2:-0.1,0.4,0.8,1.6}
+REQUESTS=${3:-16}
+MAX_TOKENS=${4:-64}
+SLOTS=${5:-8}
 OUT=${OUT:-runs/adaptive_sweep}
 PORT=${PORT:-8139}
 mkdir -p "$OUT"
 URL="http://127.0.0.1:$PORT"
 
-for METHOD in ${METHODS//,/ }; do
-  NAME=${METHOD//:/_}
+for ENTRY in ${METHODS//,/ }; do
+  METHOD=${ENTRY%@*}
+  EXTRA=()
+  [ "$ENTRY" = "$METHOD" ] || EXTRA=(--tree-budget "${ENTRY#*@}")
+  NAME=${ENTRY//[:@]/_}
+  rm -f "$OUT/$NAME.run.jsonl"
   # shellcheck disable=SC2086  # SERVE_ARGS: extra serve options, word-split on purpose
-  specjax serve --method "$METHOD" --slots "$SLOTS" --context-length 512 --max-new-tokens 256 --port "$PORT" \
-    ${SERVE_ARGS:-} --metrics-log "$OUT/$NAME.requests.jsonl" > "$OUT/$NAME.server.log" 2>&1 &
+  specjax serve --method "$METHOD" "${EXTRA[@]}" --slots "$SLOTS" --context-length 512 --max-new-tokens 256 \
+    --port "$PORT" ${SERVE_ARGS:-} --metrics-log "$OUT/$NAME.run.jsonl" > "$OUT/$NAME.server.log" 2>&1 &
   SERVER=$!
   trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT
   for _ in $(seq 900); do
@@ -32,14 +40,14 @@ for METHOD in ${METHODS//,/ }; do
     fi
     sleep 1
   done
-  for C in ${CONCURRENCIES//,/ }; do
-    specjax bench-serve --url "$URL" --max-concurrency "$C" --num-requests $((C < 2 ? 6 : 3 * C)) \
-      --max-tokens "$MAX_TOKENS" --json | tail -1 > "$OUT/$NAME.c$C.json"
-    curl -s "$URL/metrics" > "$OUT/$NAME.c$C.metrics.txt"
-    python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], 'clients:', round(r['output_token_throughput'], 1), 'tok/s')" "$OUT/$NAME.c$C.json" "$METHOD" "$C"
-  done
+  specjax bench-serve --url "$URL" --rates "$RATES" --num-requests "$REQUESTS" --max-tokens "$MAX_TOKENS" \
+    --json | tee "$OUT/$NAME.bench.txt" | tail -1 > "$OUT/$NAME.sweep.json"
+  grep "^rate" "$OUT/$NAME.bench.txt" | sed "s/^/$ENTRY /"
+  curl -s "$URL/metrics" > "$OUT/$NAME.metrics.txt"
   kill -TERM $SERVER
   wait $SERVER || true
   trap - EXIT
+  specjax report "$OUT/$NAME.run.jsonl" --out "$OUT/$NAME.report.png" --title "$ENTRY, rates $RATES" \
+    > "$OUT/$NAME.report.txt"
 done
-python experiments/adaptive_report.py "$OUT" "$METHODS" "$CONCURRENCIES" | tee "$OUT/summary.md"
+python experiments/adaptive_report.py "$OUT" "$METHODS" | tee "$OUT/summary.md"
