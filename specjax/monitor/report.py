@@ -63,8 +63,8 @@ def summarize(snapshots: list[dict], requests: list[dict]) -> dict:
     start = min([s["time"] - s.get("interval_s", 0.0) for s in snapshots] + list(lat["arrival"]))
     end = max([s["time"] for s in snapshots] + list(lat["finish"]))
     policy_seconds: Counter = Counter()
-    for snapshot in snapshots:
-        if snapshot.get("policy"):
+    for snapshot in snapshots:  # time spent decoding under each policy (an idle server runs none)
+        if snapshot.get("policy") and snapshot.get("tokens_per_s"):
             policy_seconds[snapshot["policy"]] += snapshot.get("interval_s", 0.0)
     total_policy = sum(policy_seconds.values())
     taus = [(s["tau"], s["interval_s"]) for s in snapshots if s.get("tau") is not None]
@@ -108,28 +108,30 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
         ax.grid(alpha=0.3)
         ax.set_xlabel("time since the first record (s)")
 
-    tau = np.array([np.nan if s.get("tau") is None else s["tau"] for s in snapshots], float)
-    acc.plot(t, tau, ".-", label="tau over the interval")
-    measured = np.array([np.nan if s.get("measured_tokens_per_step") is None else s["measured_tokens_per_step"]
-                         for s in snapshots], float)
-    predicted = np.array([np.nan if s.get("predicted_tokens_per_step") is None else s["predicted_tokens_per_step"]
-                          for s in snapshots], float)
-    acc.plot(t, measured, "-", alpha=0.7, label="controller: measured tokens/step (batch)")
-    acc.plot(t, predicted, "--", alpha=0.7, label="controller: predicted tokens/step (batch)")
-    acc.set_ylabel("tokens per verify step")
-    acc.set_title("Acceptance length and the controller's prediction")
-    acc.legend(fontsize=8, loc="upper right")
+    busy = np.array([bool(s.get("tokens_per_s")) for s in snapshots])
+    value = lambda key: np.array([s[key] if s.get(key) is not None else np.nan for s in snapshots], float)  # noqa
+    acc.plot(t, value("tau"), ".-", label="tau over the interval (per row)")
+    acc.set_ylabel("tokens per verify step, per row")
+    batch_ax = acc.twinx()
+    batch_ax.plot(t, np.where(busy, value("measured_tokens_per_step"), np.nan), "-", color="tab:orange", alpha=0.6,
+                  label="controller: measured (batch)")
+    batch_ax.plot(t, np.where(busy, value("predicted_tokens_per_step"), np.nan), "--", color="tab:green", alpha=0.6,
+                  label="controller: predicted (batch)")
+    batch_ax.set_ylabel("tokens per step, summed over the batch")
+    acc.set_title("Acceptance length, and the controller's prediction against what it measured")
+    handles = acc.get_legend_handles_labels()[0] + batch_ax.get_legend_handles_labels()[0]
+    acc.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
 
-    width = max((len(s.get("per_position_acceptance", [])) for s in snapshots), default=0)
+    width = min(max((len(s.get("per_position_acceptance", [])) for s in snapshots), default=0), 8)
     for k in range(width):
         rate = [s["per_position_acceptance"][k] if len(s.get("per_position_acceptance", [])) > k else np.nan
                 for s in snapshots]
         pos_ax.plot(t, rate, ".-", ms=3, label=f"draft {k + 1}")
     pos_ax.set_ylim(-0.02, 1.02)
     pos_ax.set_ylabel("fraction of verify steps")
-    pos_ax.set_title("Per-position acceptance (a draft position reached and accepted)")
+    pos_ax.set_title("Per-position acceptance (a draft position reached and accepted; the first 8)")
     if width:
-        pos_ax.legend(fontsize=7, ncol=min(width, 8), loc="upper right")
+        pos_ax.legend(fontsize=7, ncol=width, loc="upper right")
 
     policies = list(dict.fromkeys(s.get("policy") or "?" for s in snapshots))
     index = [policies.index(s.get("policy") or "?") for s in snapshots]
