@@ -60,6 +60,8 @@ _METHOD_OPTIONS = {
     "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
                 ("chain+refiner", "tree+refiner")),
     "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
+    "rapid": (("rapid_drafts", "rapid_eta", "retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k",
+               "retrieval_min_score"), ("rapid",)),
 }
 
 
@@ -92,6 +94,45 @@ def _check_decode_args(args, methods: list[str]) -> None:
                            f"{args.model}'s context of {context} tokens")
     _refine_config(args)
     _tree_config(args)
+    if "rapid" in methods and not getattr(args, "context_file", None):
+        raise SpecjaxError("rapid drafts from passages retrieved from a long context: give --context-file DOC "
+                           "(and the question as --prompt)")
+    if getattr(args, "context_file", None):
+        _retrieval_config(args)
+        if not Path(args.context_file).is_file():
+            raise SpecjaxError(f"--context-file {args.context_file} is not a file")
+
+
+def _retrieval_config(args):
+    from specjax.data.retrieval import RetrievalConfig
+
+    return RetrievalConfig(retriever=args.retriever, chunk_tokens=args.chunk_tokens,
+                           budget_tokens=args.retrieval_budget, top_k=args.retrieval_top_k,
+                           min_score=args.retrieval_min_score)
+
+
+def _long_context(args, model, methods: list[str]):
+    """The long-context prompt of --context-file and the question (--prompt), with rapid's drafting
+    prompt when a method needs one (the other methods read the same full prompt)."""
+    from specjax.data.retrieval import long_context_prompt
+    from specjax.decode.slots import slot_method
+
+    if model.tokenizer is None:
+        raise SpecjaxError(f"{model.name} has no tokenizer; --context-file needs one")
+    if args.prompt is None or len(args.prompt) != 1 or getattr(args, "prompt_file", None) \
+            or getattr(args, "prompt_ids", None):
+        raise SpecjaxError("with --context-file, give the question as one --prompt")
+    document = Path(args.context_file).read_text(errors="replace")
+    config = encoder = None
+    if any(slot_method(m).needs_retrieval for m in methods):
+        config = _retrieval_config(args)
+        if config.retriever == "minilm":
+            from specjax.io.encoder import load_sentence_encoder
+
+            encoder = load_sentence_encoder()
+    prompt = long_context_prompt(model.tokenizer, document, args.prompt[0], config, encoder=encoder,
+                                 chat=not args.no_chat)
+    return prompt, config
 
 
 def _read_prompts(args) -> tuple[list[list[int]] | None, list[str] | None]:
@@ -121,11 +162,18 @@ def cmd_generate(args) -> int:
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
 
+    from specjax.decode.rapid import RapidConfig
+
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     _check_decode_args(args, [args.method])
     ids, texts = _read_prompts(args)
     model = _load_target(args)
-    prompts = _tokenize(ids, texts, args, model)
+    long = retrieval = None
+    if args.context_file:
+        long, retrieval = _long_context(args, model, [args.method])
+        prompts = [long.full]
+    else:
+        prompts = _tokenize(ids, texts, args, model)
     parts = _parts_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
@@ -145,7 +193,11 @@ def cmd_generate(args) -> int:
     result = Engine(model, parts.drafter, refiner=parts.refiner).generate(
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
-        refine=_refine_config(args), tree=_tree_config(args))
+        refine=_refine_config(args), tree=_tree_config(args),
+        retrieval_prompts=None if long is None or long.drafting is None else [long.drafting],
+        rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta))
+    if long is not None:
+        result.stats["long_context"] = long.summary(retrieval)
     texts = [decode(t) for t in result.tokens]
     if args.json:
         single = len(prompts) == 1
@@ -172,10 +224,16 @@ def cmd_generate(args) -> int:
     if "refine_passes" in s:
         refine_time = f", refine time {s['refine_s']:.2f} s" if "refine_s" in s else ""
         print(f"[{s['method']}] {s['refine_passes']:.2f} refinement passes per block{refine_time}", file=sys.stderr)
+    if "long_context" in s:
+        from specjax.data.retrieval import describe_long_context
+
+        print(f"[{s['method']}] {describe_long_context(s['long_context'])}", file=sys.stderr)
     if "tree_bucket_counts" in s:
         sizes = ", ".join(f"{n} nodes x{c}" for n, c in s["tree_bucket_counts"].items() if c)
         print(f"[{s['method']}] tree size chosen {s['tree_nodes_chosen']:.1f} nodes per step on average; "
               f"verified: {sizes}", file=sys.stderr)
+    if "lossy" in s:
+        print(f"[{s['method']}] LOSSY: {s['lossy']}", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
     print(f"[{s['method']}] memory: {_memory_line(s['memory'])}", file=sys.stderr)
@@ -198,6 +256,8 @@ def _memory_line(m: dict) -> str:
     line += ")"
     if "drafter_state_bytes" in m:
         line += f", drafter state {_mib(m['drafter_state_bytes'])} ({m['drafter_attention']})"
+    if "retrieval_kv_bytes" in m:
+        line += f", rapid's retrieval cache {_mib(m['retrieval_kv_bytes'])}"
     line += f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"
     if m.get("device_peak_bytes") is not None:
         line += f", device peak since start {_mib(m['device_peak_bytes'])}"
@@ -322,19 +382,32 @@ def cmd_bench(args) -> int:
     _check_decode_args(args, methods)
     if args.repeats < 1:
         raise SpecjaxError(f"--repeats must be >= 1, got {args.repeats}")
+    from specjax.decode.rapid import RapidConfig
+
+    if args.prompt is not None and not args.context_file:
+        raise SpecjaxError("--prompt is the question about --context-file; without one, use --prompts-file")
     texts = (_read_prompt_file(args.prompts_file, "--prompts-file") if args.prompts_file
              else list(HELDOUT_CHAT_PROMPTS))
     model = _load_target(args)
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
-    prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
+    options = {"chain+refiner": {"refine": _refine_config(args)}, "tree": {"tree": _tree_config(args)},
+               "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)}}
+    long = None
+    if args.context_file:  # one long-context request, the same for every method
+        long, retrieval = _long_context(args, model, methods)
+        prompts = [long.full]
+        if long.drafting is not None:
+            options["rapid"] = {"retrieval_prompts": [long.drafting],
+                                "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta)}
+    else:
+        prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
     engine = Engine(model, parts.drafter, refiner=parts.refiner)
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
-                       repeats=args.repeats, progress=not args.json,
-                       options={"chain+refiner": {"refine": _refine_config(args)},
-                                "tree": {"tree": _tree_config(args)},
-                                "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)}})
+                       repeats=args.repeats, progress=not args.json, options=options)
+    if long is not None:
+        report["long_context"] = long.summary(retrieval)
     if args.json:
         print(json.dumps(report))
     else:
@@ -653,6 +726,23 @@ def _add_window_options(parser) -> None:
                         help="segment compressor for --drafter-window: default or a compressor folder")
 
 
+def _add_retrieval_options(parser) -> None:
+    parser.add_argument("--context-file", help="a long context (text file) the --prompt question is about; every "
+                                               "method reads it whole, rapid drafts from passages retrieved from it")
+    parser.add_argument("--rapid-drafts", type=int, default=4, help="tokens rapid drafts per step on its retrieved "
+                                                                    "context")
+    parser.add_argument("--rapid-eta", type=float, default=0.0,
+                        help="rapid: knowledge transfer toward the drafts (0 = lossless; > 0 is LOSSY and labelled)")
+    parser.add_argument("--retriever", default="minilm", choices=["minilm", "bm25"],
+                        help="rapid: MiniLM-L6 sentence embeddings (cosine) or BM25")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="rapid: target tokens per retrieval chunk")
+    parser.add_argument("--retrieval-budget", type=int, default=1024,
+                        help="rapid: most tokens of retrieved passages in the drafting context")
+    parser.add_argument("--retrieval-top-k", type=int, default=None, help="rapid: at most this many passages")
+    parser.add_argument("--retrieval-min-score", type=float, default=0.1,
+                        help="rapid: passages scoring below this are left out (cosine for minilm, BM25 score)")
+
+
 def _add_refiner_options(parser) -> None:
     parser.add_argument("--refiner", default="default", help="refiner for the +refiner methods: default or a refiner folder")
     parser.add_argument("--refine-passes", type=int, default=1, help="most refinement passes per block (chain+refiner)")
@@ -673,13 +763,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--method", default="ar",
-                     help="decoding method: ar, or speculative chain, chain+refiner, tree, tree+refiner")
+                     help="decoding method: ar, or speculative chain, chain+refiner, tree, tree+refiner, or rapid "
+                          "(drafts from passages of --context-file)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
     _add_refiner_options(gen)
     _add_tree_options(gen)
     _add_window_options(gen)
+    _add_retrieval_options(gen)
     _add_dtype_option(gen)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
@@ -698,6 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_refiner_options(bench)
     _add_tree_options(bench)
     _add_window_options(bench)
+    _add_retrieval_options(bench)
+    bench.add_argument("--prompt", action="append",
+                       help="with --context-file: the question about it (one long-context request)")
     _add_dtype_option(bench)
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)

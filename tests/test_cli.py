@@ -160,6 +160,41 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 20 minutes with the serving tests
+def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, capsys, tmp_path):
+    """rapid drafts from BM25-retrieved passages of --context-file and gives AR's tokens on the same
+    prompt; AR reads the same whole document; rapid without a context is refused before loading."""
+    root = tiny_with_tokenizer_and_drafter
+    document = tmp_path / "doc.txt"
+    document.write_text(" ".join(["the dog ran to the park"] * 6 + ["the cat sat on the mat"] * 2
+                                 + ["the dog ran to the park"] * 6))  # within the tiny model's 256 positions
+    base = ["generate", "--model", str(root / "model"), "--prompt", "where did the cat sit", "--no-chat",
+            "--max-new-tokens", "8", "--ignore-eos", "--json", "--context-file", str(document)]
+    assert main(base) == 0
+    ar = _last_json(capsys)
+    rapid_args = ["--method", "rapid", "--retriever", "bm25", "--chunk-tokens", "16", "--retrieval-budget", "40",
+                  "--retrieval-min-score", "0", "--rapid-drafts", "3"]
+    assert main(base + rapid_args) == 0
+    rapid = _last_json(capsys)
+    assert rapid["tokens"] == ar["tokens"] and rapid["prompt_tokens"] == ar["prompt_tokens"]
+    context = rapid["stats"]["long_context"]
+    assert ar["stats"]["long_context"]["document_tokens"] == context["document_tokens"] > 100
+    assert 1 <= len(context["selected_chunks"]) <= 2 and context["selected_tokens"] <= 40
+    assert context["drafting_prompt_tokens"] < context["full_prompt_tokens"]
+    assert rapid["stats"]["rapid_drafts"] == 3 and "tau" in rapid["stats"]
+    assert main([a for a in base if a != "--json"] + rapid_args) == 0  # the printed summary
+    err = capsys.readouterr().err
+    assert "bm25 retrieved" in err and "retrieval cache" in err and "tau" in err
+    assert main(["bench", "--model", str(root / "model"), "--methods", "ar,rapid", "--context-file", str(document),
+                 "--prompt", "where did the cat sit", "--no-chat", "--max-new-tokens", "6", "--json"]
+                + rapid_args[2:]) == 0
+    report = _last_json(capsys)
+    assert report["methods"]["rapid"]["identical_to_ar"] and report["long_context"]["retriever"] == "bm25"
+    assert main(["generate", "--model", str(root / "model"), "--prompt", "x", "--method", "rapid"]) == 2
+    assert "--context-file" in capsys.readouterr().err
+    assert main(base + ["--retriever", "bm25"]) == 2  # a rapid option for AR
+    assert "applies to the methods rapid" in capsys.readouterr().err
+
+
 def test_generate_and_bench_with_trees(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # measured latencies go here, not to the user's cache
     root = tiny_with_tokenizer_and_drafter

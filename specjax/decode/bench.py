@@ -70,6 +70,7 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
     histograms = {m: None for m in labels}
     walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0} for m in labels}
     passes = {m: [] for m in labels}
+    lossy: dict[str, str] = {}
     tree_sizes = {m: {"chosen": [], "verified": [], "buckets": {}} for m in labels}
     with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
         for repeat in range(repeats):
@@ -88,6 +89,8 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                             walls[method][key] += result.stats.get(key, 0.0)
                     if "refine_passes" in result.stats:
                         passes[method].append(result.stats["refine_passes"])
+                    if "lossy" in result.stats:
+                        lossy[method] = result.stats["lossy"]
                     if "tree_bucket_counts" in result.stats:
                         sizes = tree_sizes[method]
                         sizes["chosen"].append(result.stats["tree_nodes_chosen"])
@@ -116,6 +119,8 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                 entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / modelled if modelled else 0.0
         if passes[method]:
             entry["refine_passes"] = float(np.mean(passes[method]))
+        if method in lossy:
+            entry["lossy"] = lossy[method]
         if tree_sizes[method]["chosen"]:
             sizes = tree_sizes[method]
             entry["tree_nodes_chosen"] = float(np.mean(sizes["chosen"]))
@@ -141,7 +146,12 @@ def format_table(report: dict) -> str:
         # Tree methods: mean nodes verified per step.
         nodes = f"{entry['tree_nodes_verified']:.1f}" if "tree_nodes_verified" in entry else "-"
         accept = " ".join(f"{a:.2f}" for a in entry["per_position_acceptance"][:8])
-        lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s} {nodes:>6s}  {accept}")
+        lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s} {nodes:>6s}  {accept}"
+                     + (f"  LOSSY: {entry['lossy']}" if "lossy" in entry else ""))
+    if "long_context" in report:
+        from specjax.data.retrieval import describe_long_context
+
+        lines.append(f"(one long-context request: {describe_long_context(report['long_context'])})")
     if "precision" in report:
         p = report["precision"]
         rows = f", every forward padded to {p['query_rows']} query rows" if p["query_rows"] else ""

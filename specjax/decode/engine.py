@@ -32,7 +32,8 @@ from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
-from specjax.decode.memory import decode_memory
+from specjax.decode.memory import decode_memory, target_kv_bytes
+from specjax.decode.rapid import RapidConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
 METHODS = tuple(SLOT_METHODS)
@@ -73,6 +74,12 @@ class DecodeRequestShape:
     step_tokens: int = 1
     """Most tokens one forward after the prefill writes: 1, the block, or the largest tree. Sliding
     layers keep a KV ring of window + step_tokens - 1 slots."""
+    rapid: RapidConfig | None = None
+    """How rapid drafts; None for the other methods."""
+    retrieval_bucket: int = 0
+    """Padded length of the drafting contexts (rapid), 0 for the other methods."""
+    retrieval_length: int = 0
+    """Slots of each row's retrieval cache (rapid)."""
 
 
 class Engine:
@@ -145,7 +152,9 @@ class Engine:
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
                  stream_every: int = 8, denoise_steps: int = 1,
-                 refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig()) -> GenerationResult:
+                 refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
+                 retrieval_prompts: Sequence[Sequence[int]] | None = None,
+                 rapid: RapidConfig = RapidConfig()) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
@@ -157,6 +166,9 @@ class Engine:
         chains run their own fused loop instead (the serving step drafts in one pass).
         refine: refinement passes per block for the +refiner methods.
         tree: shape and budget of draft trees for the tree methods.
+        retrieval_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
+        question, `data/retrieval.py`); the target verifies with the prompt itself.
+        rapid: how rapid drafts.
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
@@ -176,6 +188,11 @@ class Engine:
             raise SpecjaxError("streamed speculative decoding drafts in one drafter pass; use denoise_steps=1")
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
+        if spec.needs_retrieval:
+            if retrieval_prompts is None or len(retrieval_prompts) != len(prompts):
+                raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
+                                   f"per prompt (retrieval_prompts)")
+            self.validate(retrieval_prompts, max_new_tokens)
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -185,8 +202,13 @@ class Engine:
             slack = self.drafter.config.block_size
         if spec.needs_tree:
             slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
+        if spec.needs_retrieval:
+            slack = rapid.drafts + 1
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
+        retrieval_bucket = 0
+        if spec.needs_retrieval:
+            retrieval_bucket = _round_up(max(len(p) for p in retrieval_prompts), self.prompt_bucket)
         shape = DecodeRequestShape(
             method=method,
             batch=len(prompts),
@@ -201,6 +223,10 @@ class Engine:
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
+            rapid=rapid if spec.needs_retrieval else None,
+            retrieval_bucket=retrieval_bucket,
+            # The first draft pass writes from one slot before last_token (decode/rapid.py).
+            retrieval_length=_round_up(retrieval_bucket + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0,
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
@@ -209,7 +235,13 @@ class Engine:
         args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
         if spec.needs_drafter and shape.denoise_steps > 1:  # several denoising passes: the chain's own loop
             return self._with_precision(self._generate_chain(shape, args))
-        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every))
+        retrieval = None
+        if spec.needs_retrieval:
+            padded = np.zeros((len(prompts), retrieval_bucket), np.int32)
+            for i, p in enumerate(retrieval_prompts):
+                padded[i, : len(p)] = p
+            retrieval = (jnp.asarray(padded), jnp.asarray([len(p) for p in retrieval_prompts], jnp.int32))
+        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every, retrieval))
 
     @property
     def precision(self) -> dict:
@@ -265,25 +297,28 @@ class Engine:
                                         self._compiled[shape])
         return GenerationResult(rows, stats)
 
-    def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int) -> GenerationResult:
+    def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int,
+                        retrieval=None) -> GenerationResult:
         """Decoding on the serving step (decode/slots.py), every method: the prompts fill a slot
         batch of their own. Without on_tokens one device call runs every step (`run_to_end`);
         with it, each call runs about `stream_every` tokens' worth (`stream_every // 2` verify steps
         for speculative methods) and its tokens go to on_tokens."""
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
-        speculative = SLOT_METHODS[shape.method].needs_drafter
+        uses_drafter = SLOT_METHODS[shape.method].needs_drafter
+        speculative = uses_drafter or shape.rapid is not None
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
                                      max_new_tokens=shape.max_new_tokens,
                                      steps_per_sync=max(1, stream_every // 2) if speculative else stream_every,
                                      insert_rows=batch),
-            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if speculative else None,
+            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
-            refine=shape.refine or RefineConfig(), tree=shape.tree)
+            refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
+            retrieval_length=shape.retrieval_length)
         latency = None
-        if speculative:
+        if uses_drafter:
             draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
             if shape.tree is not None and shape.tree.auto:
                 latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
@@ -298,7 +333,9 @@ class Engine:
             rows=jnp.arange(batch, dtype=jnp.int32), prompts=prompt_tokens, prompt_lengths=prompt_lengths,
             max_new_tokens=full(shape.max_new_tokens, jnp.int32), seeds=seeds,
             sampling=slot_api.RowSampling(full(shape.sampling.temperature, jnp.float32),
-                                          full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)))
+                                          full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
+            retrieval_prompts=None if retrieval is None else retrieval[0],
+            retrieval_prompt_lengths=None if retrieval is None else retrieval[1])
         state = slot_api.empty_slots(statics)
         compile_s = 0.0
         if shape not in self._compiled:
@@ -338,6 +375,16 @@ class Engine:
         # so the longest-running row's counters are the batch's per-step counts.
         longest = int(np.argmax(steps))
         stats.update({"streamed": shape.streaming, "draft_tokens": int(drafted.sum())})
+        if shape.rapid is not None:
+            memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
+                                   None if shape.streaming else run)
+            memory["retrieval_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.retrieval_length)
+            stats.update({"rapid_drafts": shape.rapid.drafts, "rapid_eta": shape.rapid.eta,
+                          "drafting_context_tokens": [int(n) for n in np.asarray(retrieval[1])], "memory": memory})
+            if shape.rapid.lossy:
+                stats["lossy"] = (f"rapid knowledge transfer at eta={shape.rapid.eta:g}: the output follows the "
+                                  f"target shifted toward its drafts, not the target")
+            return GenerationResult(rows, stats)
         if shape.tree is None:
             # The steps are fused; the split is loop_steps x the phases timed alone at these shapes.
             phases = self._phase_seconds(shape, statics, parts)

@@ -29,11 +29,12 @@ from flax import struct
 from specjax.decode.autoregressive import _eos_array, prefill
 from specjax.decode.budget import TreeCosts, chosen_tree_size, median_seconds
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
+from specjax.decode.rapid import RapidConfig, draft_on_retrieved
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.speculative import RefinerInputs, _to_full_vocabulary, commit_tokens, draft_block_states
 from specjax.decode.tree import TreeConfig, build_tree, draft_marginals, verify_tree
-from specjax.decode.verify import accept_greedy, accept_sampled
+from specjax.decode.verify import accept_greedy, accept_sampled, accept_transfer, transfer_target
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
@@ -161,6 +162,13 @@ class SlotState:
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
+    retrieval_cache: KVCache | None = None
+    """The rapid method's second target cache per row: retrieved chunks + question + generated
+    tokens (decode/rapid.py); None when no rapid step will run."""
+    retrieval_lengths: jax.Array | None = None
+    """[S] int32: the retrieval-cache slot of last_token (filled slots before it)."""
+    retrieval_previous: jax.Array | None = None
+    """[S] int32: the token before last_token, which a rapid step rewrites first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +184,17 @@ class SlotStatics:
     """Refinement passes per block for the +refiner methods."""
     tree: TreeConfig | None = None
     """Tree shape and sizes for the tree methods; None when no tree method will step."""
+    rapid: RapidConfig | None = None
+    """How the rapid method drafts; None when no rapid step will run."""
+    retrieval_length: int = 0
+    """Slots of each row's retrieval cache (rapid): its drafting context, its generated tokens and
+    one step's writes must fit."""
 
     @property
     def block(self) -> int:
-        """Most tokens one verify step commits: the drafter's block, or 1 for AR."""
-        return 1 if self.drafter_config is None else self.drafter_config.block_size
+        """Most tokens one verify step commits: the drafter's block (1 for AR), or rapid's drafts + 1."""
+        drafter = 1 if self.drafter_config is None else self.drafter_config.block_size
+        return max(drafter, 0 if self.rapid is None else self.rapid.drafts + 1)
 
     @property
     def tree_buckets(self) -> tuple[int, ...]:
@@ -215,6 +229,9 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None
                        else empty_context_cache(statics.drafter_config, s, statics.slot.cache_length)),
+        **({} if not statics.retrieval_length else dict(
+            retrieval_cache=KVCache.zeros(statics.target_config, s, statics.retrieval_length),
+            retrieval_lengths=jnp.zeros((s,), jnp.int32), retrieval_previous=jnp.zeros((s,), jnp.int32))),
     )
 
 
@@ -269,6 +286,11 @@ class InsertRequest:
     being `prompts`; None: the prompts start here, in fresh rows."""
     draft_limit: jax.Array | None = None
     """[R] int32: each row's SlotState.draft_limit (None: no limit)."""
+    retrieval_prompts: jax.Array | None = None
+    """[R, Q] int32, right-padded: each row's drafting context for rapid (retrieved chunks and the
+    question); needed when the slots have a retrieval cache."""
+    retrieval_prompt_lengths: jax.Array | None = None
+    """[R] int32."""
     final: jax.Array | None = None
     """[R] bool: the call holds each prompt's last tokens (None: every prompt ends here). A row whose
     prompt goes on gets no first token and stays done, so steps pass it by, with its length at the
@@ -337,6 +359,16 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
     )
     if dcfg is not None:
         fresh["context_cache"] = put(state.context_cache, context)
+    if statics.retrieval_length:
+        if request.retrieval_prompts is None or request.offsets is not None:
+            raise SpecjaxError("slots with a retrieval cache (rapid) insert whole prompts with their drafting "
+                               "contexts (retrieval_prompts)")
+        _, retrieval_cache, _ = prefill(parts.target, statics.target_config, request.retrieval_prompts,
+                                        request.retrieval_prompt_lengths, statics.retrieval_length)
+        last = jnp.take_along_axis(request.retrieval_prompts, (request.retrieval_prompt_lengths - 1)[:, None], axis=1)
+        fresh.update(retrieval_cache=put(state.retrieval_cache, retrieval_cache),
+                     retrieval_lengths=put(state.retrieval_lengths, request.retrieval_prompt_lengths),
+                     retrieval_previous=put(state.retrieval_previous, last[:, 0]))
     return state.replace(**fresh)
 
 
@@ -366,6 +398,64 @@ def _ar_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_sl
                                  state.lengths + ~state.done)
     no_drafts = jnp.zeros((state.lengths.shape[0], 0), jnp.int32)
     return _commit(state, no_drafts, jnp.zeros_like(token), token, keys, out.cache, context, statics, drafted=0)
+
+
+def _rapid_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None) -> SlotState:
+    """RAPID self-speculation (decode/rapid.py): the target drafts on each row's retrieval cache,
+    verifies on its full cache in one pass, and accepts per row: speculative sampling, greedy on
+    greedy rows, lossless; with RapidConfig.eta > 0 against the target shifted toward the drafts'
+    distribution (knowledge transfer, lossy and opt-in)."""
+    tcfg, drafts = statics.target_config, statics.rapid.drafts
+    keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
+    sampled = _any_sampled(state.sampling)
+
+    transfer = statics.rapid.eta > 0
+
+    def draw(logits, row_keys):
+        processed = row_processed_logits(logits, state.sampling)  # [S, V]; greedy rows: argmax only
+        token = jax.lax.cond(sampled, lambda: row_categorical(row_keys, processed),
+                             lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return token, ((processed, logits) if transfer else processed)
+
+    draw_keys = jnp.stack(split_row_keys(draft_keys, drafts))  # [K, S, 2]
+    draft, kept, retrieval_cache = draft_on_retrieved(
+        parts.target, tcfg, state.retrieval_cache, state.retrieval_lengths, state.retrieval_previous,
+        state.last_token, draw_keys, draw)  # [S, K], [S, K, V] (and the raw logits with transfer)
+    draft_logits = kept[0] if transfer else kept
+    verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, K + 1]
+    positions = state.lengths[:, None] + jnp.arange(drafts + 1, dtype=jnp.int32)
+    out = forward(parts.target, tcfg, verify_tokens, positions, state.target_cache, state.lengths,
+                  attend_slots=attend_slots)  # logits [S, K + 1, V]
+    verify_logits = out.logits
+    if transfer:  # lossy, opt-in: greedy rows follow the argmax of the shifted target
+        raw = out.logits[:, :-1]
+        shifted = jnp.log(transfer_target(raw, jax.nn.softmax(raw, axis=-1), jax.nn.softmax(kept[1], axis=-1),
+                                          statics.rapid.eta))
+        greedy_row = (state.sampling.temperature <= 0)[:, None, None]
+        verify_logits = out.logits.at[:, :-1].set(jnp.where(greedy_row, shifted, raw))
+
+    def sampled_acceptance():
+        q = jax.nn.softmax(draft_logits, axis=-1)  # the distributions the drafts were drawn from
+        processed = row_processed_logits(verify_logits, state.sampling)
+        if transfer:
+            rule = lambda d, qq, zz, k: accept_transfer(d[None], qq[None], zz[None], statics.rapid.eta,  # noqa: E731
+                                                        jax.random.wrap_key_data(k))
+            n, next_token = jax.vmap(rule)(draft, q, processed, accept_keys)
+        else:
+            p = jax.nn.softmax(processed, axis=-1)
+            one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
+            n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)
+        return n[:, 0], next_token[:, 0]
+
+    n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, verify_logits))
+    n, next_token = _within_limit(n, next_token, draft, state.draft_limit)
+    live = ~state.done
+    previous = jnp.where(n > 0, jnp.take_along_axis(draft, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0],
+                         state.last_token)
+    state = state.replace(retrieval_cache=retrieval_cache,
+                          retrieval_lengths=state.retrieval_lengths + live * (n + 1),
+                          retrieval_previous=jnp.where(live, previous, state.retrieval_previous))
+    return _commit(state, draft, n, next_token, keys, out.cache, state.context_cache, statics, drafted=drafts)
 
 
 def _within_limit(n, next_token, drafts, limit):
@@ -545,6 +635,8 @@ class SlotMethod:
     needs_tree: bool = False
     drafts: int | None = None
     """Drafts a chain step verifies (None: the drafter's whole block)."""
+    needs_retrieval: bool = False
+    """Drafts from each row's retrieval cache (rapid): inserts need drafting contexts."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -553,6 +645,7 @@ SLOT_METHODS: dict[str, SlotMethod] = {
     "chain+refiner": SlotMethod("chain+refiner", partial(_chain_step, refined=True), needs_refiner=True),
     "tree": SlotMethod("tree", _tree_step, needs_tree=True),
     "tree+refiner": SlotMethod("tree+refiner", partial(_tree_step, refined=True), needs_refiner=True, needs_tree=True),
+    "rapid": SlotMethod("rapid", _rapid_step, needs_drafter=False, needs_retrieval=True),
 }
 
 
@@ -576,7 +669,9 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
     missing = [what for what, needed, there in (
         ("a drafter", method.needs_drafter, statics.drafter_config is not None),
         ("a refiner", method.needs_refiner, statics.refiner_config is not None),
-        ("a tree config", method.needs_tree, statics.tree is not None)) if needed and not there]
+        ("a tree config", method.needs_tree, statics.tree is not None),
+        ("a retrieval cache (SlotStatics.rapid and retrieval_length)", method.needs_retrieval,
+         statics.rapid is not None and statics.retrieval_length > 0)) if needed and not there]
     if missing:
         raise SpecjaxError(f"method {name!r} needs {' and '.join(missing)}")
     if method.drafts is not None and method.drafts > statics.block - 1:

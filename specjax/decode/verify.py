@@ -51,3 +51,37 @@ def accept_sampled(draft: jax.Array, draft_probs: jax.Array, target_probs: jax.A
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_next)
     next_token = jax.random.categorical(resample_rng, jnp.log(residual), axis=-1).astype(jnp.int32)
     return n, next_token
+
+
+def transfer_target(target_logits: jax.Array, target_probs: jax.Array, draft_probs: jax.Array, eta: float):
+    """RAPID's knowledge transfer: the target's distribution shifted toward the drafter's where the
+    drafter is confident. g = p - q, mask = q >= 0.1 max q, z' = z - eta * mask * g, p' = softmax(z').
+    target_logits, target_probs, draft_probs: [..., V] (processed: filtered tokens are -inf / 0).
+    eta = 0 gives p back. Lossy for eta > 0: output then follows neither p nor q."""
+    mask = draft_probs >= 0.1 * draft_probs.max(-1, keepdims=True)
+    return jax.nn.softmax(target_logits - eta * mask * (target_probs - draft_probs), axis=-1)
+
+
+def accept_transfer(draft: jax.Array, draft_probs: jax.Array, target_logits: jax.Array, eta: float,
+                    rng: jax.Array):
+    """Speculative sampling against RAPID's shifted target (`transfer_target`), as RAPID's code does
+    it: accept d_k with probability min(1, p'(d_k) / q(d_k)); at the first rejection sample from
+    norm(max(0, max(p - q, p - p'))); the bonus after K acceptances comes from the target's own p_K.
+    draft [B, K], draft_probs [B, K, V], target_logits [B, K+1, V] (processed). At eta = 0 this is
+    exactly `accept_sampled`; eta > 0 is lossy (opt-in, and labelled by the callers)."""
+    batch, num_draft = draft.shape
+    accept_rng, resample_rng = jax.random.split(rng)
+    p = jax.nn.softmax(target_logits, axis=-1)  # [B, K+1, V]
+    shifted = transfer_target(target_logits[:, :-1], p[:, :-1], draft_probs, eta)  # [B, K, V]
+    p_draft = jnp.take_along_axis(shifted, draft[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(draft_probs, draft[..., None], axis=-1)[..., 0]
+    n = leading_true(jax.random.uniform(accept_rng, (batch, num_draft)) * q_draft < p_draft)
+    pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)  # noqa: E731  row K: no draft
+    at_n = lambda x: jnp.take_along_axis(x, n[:, None, None], axis=1)[:, 0]  # noqa: E731
+    p_next, q_next = at_n(p), at_n(pad(draft_probs))
+    shifted_next = at_n(jnp.concatenate([shifted, p[:, -1:]], axis=1))  # the bonus row: p itself
+    residual = jnp.maximum(0.0, jnp.maximum(p_next - q_next, p_next - shifted_next))
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_next)
+    next_token = jax.random.categorical(resample_rng, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return n, next_token
