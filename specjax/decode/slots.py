@@ -11,9 +11,10 @@ is the sampled path with a one-hot distribution on the argmax (see `row_processe
 acceptance rule then accepts exactly the drafts that match the argmax, and resamples the argmax.
 
 Methods live in one registry, `SLOT_METHODS`: ar, chain, chain+refiner, tree and tree+refiner
-(each windowed when its drafter is). Every method advances the same `SlotState`, so the host side
-(specjax/serve) never branches on method names, and a caller may change the method between two
-steps (the state holds every part any of them reads).
+(each windowed when its drafter is), and rapid. Every method advances the same `SlotState`, so the
+host side (specjax/serve) never branches on method names, and a caller may change the method
+between two steps (the state holds every part any of them reads), except into rapid: only rapid
+steps keep its retrieval cache current.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class SlotState:
     """The drafter's context per row, or None for autoregressive decoding."""
     retrieval_cache: KVCache | None = None
     """The rapid method's second target cache per row: retrieved chunks + question + generated
-    tokens (decode/rapid.py); None when no rapid step will run."""
+    tokens (decode/rapid.py); None when no rapid step will run. Only rapid steps write it, so a
+    row that another method advanced must not step with rapid again."""
     retrieval_lengths: jax.Array | None = None
     """[S] int32: the retrieval-cache slot of last_token (filled slots before it)."""
     retrieval_previous: jax.Array | None = None
