@@ -26,8 +26,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="2048,4096,8192")
     parser.add_argument("--per-task", type=int, default=2, help="tasks of each kind per context length")
     parser.add_argument("--tasks", default="verse,speaker,needle")
-    parser.add_argument("--methods", default="ar,chain,windowed,rapid",
-                        help="ar, chain, windowed (chain with a windowed drafter, --window) and rapid")
+    parser.add_argument("--methods", default="ar,chain,windowed,rapid,rapid+block",
+                        help="ar, chain, windowed (chain with a windowed drafter, --window), rapid and rapid+block")
     parser.add_argument("--window", type=int, default=256, help="the windowed drafter's raw window")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rapid-drafts", type=int, default=4)
@@ -70,6 +70,8 @@ def main() -> int:
                 options = {}
                 if method == "rapid":
                     options = dict(retrieval_prompts=[prompt.drafting], rapid=RapidConfig(args.rapid_drafts))
+                elif method == "rapid+block":
+                    options = dict(retrieval_prompts=[prompt.drafting])
                 runner = engines.get(method, engine)
                 decode_method = "chain" if method == "windowed" else method
                 runner.generate([prompt.full], args.max_new_tokens, method=decode_method, **options)  # compile, warm

@@ -56,12 +56,13 @@ def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
 # are refused rather than silently ignored.
 _METHOD_OPTIONS = {
     "speculative": (("drafter", "block_size", "denoise_steps", "drafter_window"),
-                    ("chain", "chain+refiner", "tree", "tree+refiner")),
+                    ("chain", "chain+refiner", "tree", "tree+refiner", "rapid+block")),
     "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
                 ("chain+refiner", "tree+refiner")),
     "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
-    "rapid": (("rapid_drafts", "rapid_eta", "retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k",
-               "retrieval_min_score"), ("rapid",)),
+    "rapid": (("rapid_drafts", "rapid_eta"), ("rapid",)),
+    "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score"),
+                  ("rapid", "rapid+block")),
 }
 
 
@@ -94,9 +95,10 @@ def _check_decode_args(args, methods: list[str]) -> None:
                            f"{args.model}'s context of {context} tokens")
     _refine_config(args)
     _tree_config(args)
-    if "rapid" in methods and not getattr(args, "context_file", None):
-        raise SpecjaxError("rapid drafts from passages retrieved from a long context: give --context-file DOC "
-                           "(and the question as --prompt)")
+    retrieving = [m for m in methods if m in _METHOD_OPTIONS["retrieval"][1]]
+    if retrieving and not getattr(args, "context_file", None):
+        raise SpecjaxError(f"{retrieving[0]} drafts from passages retrieved from a long context: give "
+                           f"--context-file DOC (and the question as --prompt)")
     if getattr(args, "context_file", None):
         _retrieval_config(args)
         if not Path(args.context_file).is_file():
@@ -400,6 +402,7 @@ def cmd_bench(args) -> int:
         if long.drafting is not None:
             options["rapid"] = {"retrieval_prompts": [long.drafting],
                                 "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta)}
+            options["rapid+block"] = {"retrieval_prompts": [long.drafting]}
     else:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
@@ -764,7 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--method", default="ar",
                      help="decoding method: ar, or speculative chain, chain+refiner, tree, tree+refiner, or rapid "
-                          "(drafts from passages of --context-file)")
+                          "and rapid+block (the target or the drafter drafts from passages of --context-file)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")

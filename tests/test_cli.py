@@ -184,11 +184,12 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     assert main([a for a in base if a != "--json"] + rapid_args) == 0  # the printed summary
     err = capsys.readouterr().err
     assert "bm25 retrieved" in err and "retrieval cache" in err and "tau" in err
-    assert main(["bench", "--model", str(root / "model"), "--methods", "ar,rapid", "--context-file", str(document),
-                 "--prompt", "where did the cat sit", "--no-chat", "--max-new-tokens", "6", "--json"]
-                + rapid_args[2:]) == 0
+    assert main(["bench", "--model", str(root / "model"), "--methods", "ar,rapid,rapid+block", "--context-file",
+                 str(document), "--prompt", "where did the cat sit", "--no-chat", "--max-new-tokens", "6", "--json",
+                 "--drafter", str(root / "drafter")] + rapid_args[2:]) == 0
     report = _last_json(capsys)
-    assert report["methods"]["rapid"]["identical_to_ar"] and report["long_context"]["retriever"] == "bm25"
+    assert report["methods"]["rapid"]["identical_to_ar"] and report["methods"]["rapid+block"]["identical_to_ar"]
+    assert report["long_context"]["retriever"] == "bm25"
     assert main(["generate", "--model", str(root / "model"), "--prompt", "x", "--method", "rapid"]) == 2
     assert "--context-file" in capsys.readouterr().err
     assert main(base + ["--retriever", "bm25"]) == 2  # a rapid option for AR

@@ -129,3 +129,25 @@ def test_knowledge_transfer_moves_the_output_toward_the_drafts(target):
     assert "lossy" not in lossless.stats and "eta=50" in lossy.stats["lossy"]
     with pytest.raises(SpecjaxError, match="eta"):
         RapidConfig(eta=-1.0)
+
+
+def test_rapid_block_drafts_from_the_drafting_prompt_and_stays_exact(target, drafter):
+    """rapid+block: the block drafter reads the target's features of the drafting prompt only.
+    Given the whole prompt as its drafting prompt it is the chain, step for step (the same accepted
+    lengths); given a short piece of it, its drafter context is that much smaller, and the output
+    is AR's either way."""
+    prompts = [DOCUMENT * 2 + [1, 5, 2], DOCUMENT[:9] + [4, 4]]  # 51 tokens: a 128-slot cache
+    engine = Engine(target, drafter)
+    expected = engine.generate(prompts, 12).tokens
+    chain = engine.generate(prompts, 12, method="chain")
+    whole = engine.generate(prompts, 12, method="rapid+block", retrieval_prompts=prompts)
+    piece = engine.generate(prompts, 12, method="rapid+block", retrieval_prompts=[p[-5:] for p in prompts])
+    assert chain.tokens == whole.tokens == piece.tokens == expected
+    assert whole.stats["accepted_length_histogram"] == chain.stats["accepted_length_histogram"]
+    assert piece.stats["memory"]["drafter_state_bytes"] < chain.stats["memory"]["drafter_state_bytes"]
+    with pytest.raises(SpecjaxError, match="retrieval_prompts"):
+        engine.generate(prompts, 4, method="rapid+block")
+    statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=2), (), drafter.config, retrieval_length=64,
+                                drafter_on_retrieval=True)
+    with pytest.raises(SpecjaxError, match="full-prompt positions"):
+        slots.check_method("chain", statics)

@@ -32,7 +32,7 @@ from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
-from specjax.decode.memory import decode_memory, target_kv_bytes
+from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.decode.rapid import RapidConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
@@ -182,6 +182,8 @@ class Engine:
         self.validate(prompts, max_new_tokens)
         if spec.needs_drafter and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
             raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
+        if spec.needs_retrieval and denoise_steps != 1:
+            raise SpecjaxError(f"method {method!r} drafts in one pass; use denoise_steps=1")
         if spec.needs_tree and denoise_steps != 1:
             raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
         if spec.needs_drafter and on_tokens is not None and denoise_steps != 1:
@@ -202,7 +204,7 @@ class Engine:
             slack = self.drafter.config.block_size
         if spec.needs_tree:
             slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
-        if spec.needs_retrieval:
+        if spec.needs_retrieval and not spec.needs_drafter:
             slack = rapid.drafts + 1
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
@@ -223,7 +225,7 @@ class Engine:
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
-            rapid=rapid if spec.needs_retrieval else None,
+            rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
             retrieval_bucket=retrieval_bucket,
             # The first draft pass writes from one slot before last_token (decode/rapid.py).
             retrieval_length=_round_up(retrieval_bucket + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0,
@@ -307,6 +309,7 @@ class Engine:
         batch = shape.batch
         uses_drafter = SLOT_METHODS[shape.method].needs_drafter
         speculative = uses_drafter or shape.rapid is not None
+        on_retrieval = uses_drafter and shape.retrieval_length > 0  # rapid+block
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
@@ -316,7 +319,7 @@ class Engine:
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
-            retrieval_length=shape.retrieval_length)
+            retrieval_length=shape.retrieval_length, drafter_on_retrieval=on_retrieval)
         latency = None
         if uses_drafter:
             draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
@@ -381,6 +384,8 @@ class Engine:
         # so the longest-running row's counters are the batch's per-step counts.
         longest = int(np.argmax(steps))
         stats.update({"streamed": shape.streaming, "draft_tokens": int(drafted.sum())})
+        if on_retrieval:
+            stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
         if shape.rapid is not None:
             memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
                                    None if shape.streaming else run)
@@ -421,6 +426,8 @@ class Engine:
             stats["refine_passes"] = int(passes[longest]) / loop_steps if loop_steps else 0.0
         stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length,
                                         None if shape.streaming else run)
+        if on_retrieval:  # rapid+block: the drafter's context is sized by the drafting prompt, not the full one
+            stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.retrieval_length))
         return GenerationResult(rows, stats)
 
     def _phase_seconds(self, shape: DecodeRequestShape, statics, parts) -> dict:

@@ -189,8 +189,12 @@ class SlotStatics:
     rapid: RapidConfig | None = None
     """How the rapid method drafts; None when no rapid step will run."""
     retrieval_length: int = 0
-    """Slots of each row's retrieval cache (rapid): its drafting context, its generated tokens and
-    one step's writes must fit."""
+    """Slots of each row's drafting context (rapid, rapid+block): its drafting prompt, its generated
+    tokens and one step's writes must fit."""
+    drafter_on_retrieval: bool = False
+    """rapid+block: the drafter's context holds the target's features of the drafting prompt
+    (retrieved chunks and question) and of the generated tokens, at drafting-prompt positions,
+    rather than the full prompt's, so it grows with the retrieval budget, not the document."""
 
     @property
     def block(self) -> int:
@@ -229,11 +233,13 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         tree_chosen=jnp.zeros((s,), jnp.int32),
         draft_limit=jnp.full((s,), statics.block - 1, jnp.int32),
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
-        context_cache=(None if statics.drafter_config is None
-                       else empty_context_cache(statics.drafter_config, s, statics.slot.cache_length)),
+        context_cache=(None if statics.drafter_config is None else empty_context_cache(
+            statics.drafter_config, s,
+            statics.retrieval_length if statics.drafter_on_retrieval else statics.slot.cache_length)),
         **({} if not statics.retrieval_length else dict(
-            retrieval_cache=KVCache.zeros(statics.target_config, s, statics.retrieval_length),
             retrieval_lengths=jnp.zeros((s,), jnp.int32), retrieval_previous=jnp.zeros((s,), jnp.int32))),
+        **({} if not statics.retrieval_length or statics.rapid is None else dict(
+            retrieval_cache=KVCache.zeros(statics.target_config, s, statics.retrieval_length))),
     )
 
 
@@ -310,13 +316,14 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
     prompt is whole, into their slots; other slots are untouched."""
     count = request.rows.shape[0]
     dcfg = statics.drafter_config
-    taps = () if dcfg is None else dcfg.target_layer_ids
+    on_retrieval = dcfg is not None and statics.drafter_on_retrieval
+    taps = () if dcfg is None or on_retrieval else dcfg.target_layer_ids
     rows = request.rows
     if request.offsets is None:
         offsets = jnp.zeros((count,), jnp.int32)
         logits, cache, features = prefill(parts.target, statics.target_config, request.prompts,
                                           request.prompt_lengths, statics.slot.cache_length, hidden_layers=taps)
-        if dcfg is not None:
+        if dcfg is not None and not on_retrieval:
             context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
                                       request.prompt_lengths)
     else:
@@ -359,18 +366,23 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
                         if request.draft_limit is None else request.draft_limit),
         target_cache=put(state.target_cache, cache),
     )
-    if dcfg is not None:
-        fresh["context_cache"] = put(state.context_cache, context)
     if statics.retrieval_length:
         if request.retrieval_prompts is None or request.offsets is not None:
-            raise SpecjaxError("slots with a retrieval cache (rapid) insert whole prompts with their drafting "
-                               "contexts (retrieval_prompts)")
-        _, retrieval_cache, _ = prefill(parts.target, statics.target_config, request.retrieval_prompts,
-                                        request.retrieval_prompt_lengths, statics.retrieval_length)
+            raise SpecjaxError("slots with a drafting context (rapid, rapid+block) insert whole prompts with "
+                               "their drafting prompts (retrieval_prompts)")
+        _, retrieval_cache, features = prefill(parts.target, statics.target_config, request.retrieval_prompts,
+                                               request.retrieval_prompt_lengths, statics.retrieval_length,
+                                               hidden_layers=dcfg.target_layer_ids if on_retrieval else ())
+        if on_retrieval:  # the drafter reads the drafting prompt's features, at its positions
+            context = prefill_context(parts.drafter, dcfg, count, statics.retrieval_length, features,
+                                      request.retrieval_prompt_lengths)
         last = jnp.take_along_axis(request.retrieval_prompts, (request.retrieval_prompt_lengths - 1)[:, None], axis=1)
-        fresh.update(retrieval_cache=put(state.retrieval_cache, retrieval_cache),
-                     retrieval_lengths=put(state.retrieval_lengths, request.retrieval_prompt_lengths),
+        fresh.update(retrieval_lengths=put(state.retrieval_lengths, request.retrieval_prompt_lengths),
                      retrieval_previous=put(state.retrieval_previous, last[:, 0]))
+        if statics.rapid is not None:
+            fresh["retrieval_cache"] = put(state.retrieval_cache, retrieval_cache)
+    if dcfg is not None:
+        fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
 
 
@@ -479,11 +491,14 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
                 refined: bool = False, drafts: int | None = None) -> SlotState:
     """Draft a block (and refine it), verify its first `drafts` tokens (None: all block - 1) in one
     target pass, accept per row (speculative sampling, which is greedy acceptance on greedy rows).
-    A shorter verify is a cheaper step at a full batch; the draft pass is the same."""
+    A shorter verify is a cheaper step at a full batch; the draft pass is the same. With
+    statics.drafter_on_retrieval (rapid+block) the drafter works at drafting-prompt positions
+    (retrieval_lengths) while the target verifies at its own."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
     block = dcfg.block_size if drafts is None else drafts + 1
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
-    hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
+    draft_lengths = state.retrieval_lengths if statics.drafter_on_retrieval else state.lengths  # [S]
+    hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, draft_lengths,
                                 state.context_cache)  # [S, K, d]
     logits = apply_head(hidden, parts.head)  # [S, K, V']
     sampled = _any_sampled(state.sampling)
@@ -515,9 +530,12 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, out.logits))
     n, next_token = _within_limit(n, next_token, draft, state.draft_limit)
     advance = jnp.where(state.done, 0, n + 1)
-    context = append_context(parts.drafter, dcfg, state.context_cache, out.hidden, positions, state.lengths,
-                             state.lengths + advance)
+    draft_positions = draft_lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
+    context = append_context(parts.drafter, dcfg, state.context_cache, out.hidden, draft_positions, draft_lengths,
+                             draft_lengths + advance)
     state = state.replace(refine_passes=state.refine_passes + ~state.done * passes)
+    if statics.drafter_on_retrieval:
+        state = state.replace(retrieval_lengths=state.retrieval_lengths + advance)
     return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=block - 1)
 
 
@@ -638,7 +656,7 @@ class SlotMethod:
     drafts: int | None = None
     """Drafts a chain step verifies (None: the drafter's whole block)."""
     needs_retrieval: bool = False
-    """Drafts from each row's retrieval cache (rapid): inserts need drafting contexts."""
+    """Drafts from each row's drafting prompt (rapid, rapid+block): inserts need one per row."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -648,6 +666,7 @@ SLOT_METHODS: dict[str, SlotMethod] = {
     "tree": SlotMethod("tree", _tree_step, needs_tree=True),
     "tree+refiner": SlotMethod("tree+refiner", partial(_tree_step, refined=True), needs_refiner=True, needs_tree=True),
     "rapid": SlotMethod("rapid", _rapid_step, needs_drafter=False, needs_retrieval=True),
+    "rapid+block": SlotMethod("rapid+block", _chain_step, needs_retrieval=True),
 }
 
 
@@ -672,8 +691,14 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a drafter", method.needs_drafter, statics.drafter_config is not None),
         ("a refiner", method.needs_refiner, statics.refiner_config is not None),
         ("a tree config", method.needs_tree, statics.tree is not None),
-        ("a retrieval cache (SlotStatics.rapid and retrieval_length)", method.needs_retrieval,
-         statics.rapid is not None and statics.retrieval_length > 0)) if needed and not there]
+        ("a drafting context (SlotStatics.retrieval_length)", method.needs_retrieval, statics.retrieval_length > 0),
+        # rapid drafts with the target on its retrieval cache; rapid+block with the drafter on
+        # drafting-prompt features.
+        ("SlotStatics.rapid", method.needs_retrieval and not method.needs_drafter, statics.rapid is not None),
+        ("SlotStatics.drafter_on_retrieval", method.needs_retrieval and method.needs_drafter,
+         statics.drafter_on_retrieval),
+        ("a drafter context at full-prompt positions (not drafter_on_retrieval)",
+         method.needs_drafter and not method.needs_retrieval, not statics.drafter_on_retrieval)) if needed and not there]
     if missing:
         raise SpecjaxError(f"method {name!r} needs {' and '.join(missing)}")
     if method.drafts is not None and method.drafts > statics.block - 1:
