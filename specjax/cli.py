@@ -127,8 +127,10 @@ def _long_context(args, model, methods: list[str]):
     document = Path(args.context_file).read_text(errors="replace")
     config = encoder = None
     if any(slot_method(m).needs_retrieval for m in methods):
+        from specjax.data.retrieval import NEEDS_ENCODER
+
         config = _retrieval_config(args)
-        if config.retriever == "minilm":
+        if config.retriever in NEEDS_ENCODER:
             from specjax.io.encoder import load_sentence_encoder
 
             encoder = load_sentence_encoder()
@@ -586,7 +588,8 @@ def cmd_report(args) -> int:
           f"({summary['finish_reasons']}); {summary['completion_tokens']} tokens, "
           f"{'-' if rate is None else f'{rate:.1f}'} tok/s; tau {tau}\n"
           f"policies by time: {shares}; {summary['switches']:.0f} switches\n"
-          f"KV max {kv}{budget}; alarm for {summary['kv_alarm_s']:.1f} s; {summary['preemptions']:.0f} preemptions\n"
+          f"KV max {kv}{budget}; alarm for {summary['kv_alarm_s']:.1f} s; {summary['preemptions']:.0f} preemptions, "
+          f"{summary['drafter_states_dropped']:.0f} drafter states dropped\n"
           f"TTFT p50 {pct(summary['ttft_p50_s'])} p99 {pct(summary['ttft_p99_s'])}; "
           f"TPOT p50 {pct(summary['tpot_p50_s'])} p99 {pct(summary['tpot_p99_s'])}\n"
           f"plot written to {out}")
@@ -736,7 +739,9 @@ def _add_retrieval_options(parser) -> None:
                                                                     "context")
     parser.add_argument("--rapid-eta", type=float, default=0.0,
                         help="rapid: knowledge transfer toward the drafts (0 = lossless; > 0 is LOSSY and labelled)")
-    parser.add_argument("--retriever", default="minilm", choices=["minilm", "bm25"],
+    from specjax.data.retrieval import RETRIEVERS
+
+    parser.add_argument("--retriever", default="minilm", choices=list(RETRIEVERS),
                         help="rapid: MiniLM-L6 sentence embeddings (cosine) or BM25")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="rapid: target tokens per retrieval chunk")
     parser.add_argument("--retrieval-budget", type=int, default=1024,

@@ -75,15 +75,14 @@ class SentenceEncoder:
     config: BertConfig
     params: dict
     tokenizer: object
-    """A `tokenizers.Tokenizer` (WordPiece, lower-casing, [CLS] ... [SEP])."""
-    max_tokens: int = MINILM_MAX_TOKENS
+    """A `tokenizers.Tokenizer` (WordPiece, lower-casing, [CLS] ... [SEP]) that truncates to the
+    encoder's trained length, keeping [SEP]."""
     batch_size: int = 32
     """Texts encoded per device call (a fixed shape, so one compilation per padded length)."""
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
-        """WordPiece ids with [CLS] and [SEP], truncated to max_tokens."""
-        return [e.ids[: self.max_tokens - 1] + e.ids[-1:] if len(e.ids) > self.max_tokens else e.ids
-                for e in self.tokenizer.encode_batch(texts)]
+        """WordPiece ids with [CLS] and [SEP], truncated by the tokenizer."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """[N, d] float32 unit vectors. Inputs are padded to a power of two ≥ 16 tokens per batch."""
@@ -121,7 +120,7 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
                                f"config.json and tokenizer.json")
     config = BertConfig.from_hf(json.loads((folder / "config.json").read_text()))
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.no_truncation()
+    tokenizer.enable_truncation(min(MINILM_MAX_TOKENS, config.max_position_embeddings))
     tokenizer.no_padding()
     return SentenceEncoder(folder.name, config, bert_params_from_hf(load_file(folder / "model.safetensors"), config),
                            tokenizer)

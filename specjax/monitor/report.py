@@ -57,10 +57,15 @@ def request_latencies(requests: list[dict]) -> dict[str, np.ndarray]:
     return {"arrival": arrival, "finish": finish, "ttft": ttft, "tpot": tpot, "load": load, "tokens": tokens}
 
 
+def _run_start(snapshots: list[dict], lat: dict) -> float:
+    """The earliest moment the log covers: the first snapshot's interval or request's arrival."""
+    return min([s["time"] - s.get("interval_s", 0.0) for s in snapshots] + list(lat["arrival"]))
+
+
 def summarize(snapshots: list[dict], requests: list[dict]) -> dict:
     """The run in numbers: what the figure shows, for the terminal and for JSON."""
     lat = request_latencies(requests)
-    start = min([s["time"] - s.get("interval_s", 0.0) for s in snapshots] + list(lat["arrival"]))
+    start = _run_start(snapshots, lat)
     end = max([s["time"] for s in snapshots] + list(lat["finish"]))
     policy_seconds: Counter = Counter()
     for snapshot in snapshots:  # time spent decoding under each policy (an idle server runs none)
@@ -98,7 +103,7 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     import matplotlib.pyplot as plt
 
     lat = request_latencies(requests)
-    start = min([s["time"] - s.get("interval_s", 0.0) for s in snapshots] + list(lat["arrival"]))
+    start = _run_start(snapshots, lat)
     t = np.array([s["time"] - start for s in snapshots], float)
     fig, axes = plt.subplots(6, 1, figsize=(11, 17), gridspec_kw={"height_ratios": [2, 2, 1.2, 2, 2, 2.4]})
     acc, pos_ax, pol_ax, kv_ax, load_ax, lat_ax = axes
