@@ -61,8 +61,8 @@ _METHOD_OPTIONS = {
                 ("chain+refiner", "tree+refiner")),
     "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
     "rapid": (("rapid_drafts", "rapid_eta"), ("rapid",)),
-    "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score"),
-                  ("rapid", "rapid+block")),
+    "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score",
+                   "redraft_every", "drafting_length"), ("rapid", "rapid+block")),
 }
 
 
@@ -96,9 +96,12 @@ def _check_decode_args(args, methods: list[str]) -> None:
     _refine_config(args)
     _tree_config(args)
     retrieving = [m for m in methods if m in _METHOD_OPTIONS["retrieval"][1]]
-    if retrieving and not getattr(args, "context_file", None):
+    # generate and bench read the document from --context-file; a server's requests carry theirs.
+    if retrieving and hasattr(args, "context_file") and not args.context_file:
         raise SpecjaxError(f"{retrieving[0]} drafts from passages retrieved from a long context: give "
                            f"--context-file DOC (and the question as --prompt)")
+    if getattr(args, "redraft_every", 0) < 0:
+        raise SpecjaxError(f"--redraft-every must be >= 0, got {args.redraft_every}")
     if getattr(args, "context_file", None):
         _retrieval_config(args)
         if not Path(args.context_file).is_file():
@@ -115,8 +118,9 @@ def _retrieval_config(args):
 
 def _long_context(args, model, methods: list[str]):
     """The long-context prompt of --context-file and the question (--prompt), with rapid's drafting
-    prompt when a method needs one (the other methods read the same full prompt)."""
-    from specjax.data.retrieval import long_context_prompt
+    prompt when a method needs one (the other methods read the same full prompt). Returns (prompt,
+    retrieval config or None, Redraft for --redraft-every or None)."""
+    from specjax.data.retrieval import IndexCache, long_context_prompt, redrafting
     from specjax.decode.slots import slot_method
 
     if model.tokenizer is None:
@@ -134,9 +138,14 @@ def _long_context(args, model, methods: list[str]):
             from specjax.io.encoder import load_sentence_encoder
 
             encoder = load_sentence_encoder()
-    prompt = long_context_prompt(model.tokenizer, document, args.prompt[0], config, encoder=encoder,
+    cache = IndexCache()
+    prompt = long_context_prompt(model.tokenizer, document, args.prompt[0], config, cache, encoder,
                                  chat=not args.no_chat)
-    return prompt, config
+    redraft = None
+    if config is not None and args.redraft_every:
+        redraft = redrafting(model.tokenizer, document, args.prompt[0], config, args.redraft_every, cache, encoder,
+                             chat=not args.no_chat)
+    return prompt, config, redraft
 
 
 def _read_prompts(args) -> tuple[list[list[int]] | None, list[str] | None]:
@@ -172,9 +181,9 @@ def cmd_generate(args) -> int:
     _check_decode_args(args, [args.method])
     ids, texts = _read_prompts(args)
     model = _load_target(args)
-    long = retrieval = None
+    long = retrieval = redraft = None
     if args.context_file:
-        long, retrieval = _long_context(args, model, [args.method])
+        long, retrieval, redraft = _long_context(args, model, [args.method])
         prompts = [long.full]
     else:
         prompts = _tokenize(ids, texts, args, model)
@@ -199,7 +208,7 @@ def cmd_generate(args) -> int:
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
         refine=_refine_config(args), tree=_tree_config(args),
         retrieval_prompts=None if long is None or long.drafting is None else [long.drafting],
-        rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta))
+        rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), redraft=redraft)
     if long is not None:
         result.stats["long_context"] = long.summary(retrieval)
     texts = [decode(t) for t in result.tokens]
@@ -232,6 +241,9 @@ def cmd_generate(args) -> int:
         from specjax.data.retrieval import describe_long_context
 
         print(f"[{s['method']}] {describe_long_context(s['long_context'])}", file=sys.stderr)
+    if "redrafts" in s:
+        print(f"[{s['method']}] re-retrieved {s['redrafts']} times (every {s['redraft_every']} tokens) in "
+              f"{s['redraft_s'] * 1e3:.0f} ms, retrieval and drafting-prompt prefill", file=sys.stderr)
     if "tree_bucket_counts" in s:
         sizes = ", ".join(f"{n} nodes x{c}" for n, c in s["tree_bucket_counts"].items() if c)
         print(f"[{s['method']}] tree size chosen {s['tree_nodes_chosen']:.1f} nodes per step on average; "
@@ -399,12 +411,12 @@ def cmd_bench(args) -> int:
                "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)}}
     long = None
     if args.context_file:  # one long-context request, the same for every method
-        long, retrieval = _long_context(args, model, methods)
+        long, retrieval, redraft = _long_context(args, model, methods)
         prompts = [long.full]
         if long.drafting is not None:
             options["rapid"] = {"retrieval_prompts": [long.drafting],
-                                "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta)}
-            options["rapid+block"] = {"retrieval_prompts": [long.drafting]}
+                                "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), "redraft": redraft}
+            options["rapid+block"] = {"retrieval_prompts": [long.drafting], "redraft": redraft}
     else:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
@@ -469,6 +481,7 @@ def cmd_serve(args) -> int:
     from specjax.serve.http import create_app
     from specjax.serve.scheduler import Scheduler, ServeConfig
 
+    from specjax.decode.rapid import RapidConfig
     from specjax.serve.controller import ControllerConfig
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
@@ -487,7 +500,8 @@ def cmd_serve(args) -> int:
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
                          prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
-                         snapshot_every=args.snapshot_every)
+                         snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
+                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
@@ -732,9 +746,10 @@ def _add_window_options(parser) -> None:
                         help="segment compressor for --drafter-window: default or a compressor folder")
 
 
-def _add_retrieval_options(parser) -> None:
-    parser.add_argument("--context-file", help="a long context (text file) the --prompt question is about; every "
-                                               "method reads it whole, rapid drafts from passages retrieved from it")
+def _add_retrieval_options(parser, context_file: bool = True) -> None:
+    if context_file:
+        parser.add_argument("--context-file", help="a long context (text file) the --prompt question is about; every "
+                                                   "method reads it whole, rapid drafts from passages retrieved from it")
     parser.add_argument("--rapid-drafts", type=int, default=4, help="tokens rapid drafts per step on its retrieved "
                                                                     "context")
     parser.add_argument("--rapid-eta", type=float, default=0.0,
@@ -749,6 +764,10 @@ def _add_retrieval_options(parser) -> None:
     parser.add_argument("--retrieval-top-k", type=int, default=None, help="rapid: at most this many passages")
     parser.add_argument("--retrieval-min-score", type=float, default=0.1,
                         help="rapid: passages scoring below this are left out (cosine for minilm, BM25 score)")
+    if context_file:
+        parser.add_argument("--redraft-every", type=int, default=0,
+                            help="rapid, rapid+block: retrieve again every N generated tokens, for the question and "
+                                 "the answer so far (0 = once, for the question)")
 
 
 def _add_refiner_options(parser) -> None:
@@ -842,7 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drafter", default="default")
     srv.add_argument("--method", default="adaptive",
                      help="adaptive (the controller picks among --policies at every step), or one fixed method: ar, "
-                          "chain, chain:K (K drafts verified), chain+refiner, tree or tree+refiner")
+                          "chain, chain:K (K drafts verified), chain+refiner, tree, tree+refiner, rapid or rapid+block "
+                          "(these two draft from passages retrieved from each request's 'document')")
     srv.add_argument("--policies", default=None,
                      help="comma-separated policies the adaptive controller chooses among (default: ar, chain:3, "
                           "chain:7 where shorter than the block, chain); add tree or +refiner methods here")
@@ -868,6 +888,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_window_options(srv)
     _add_refiner_options(srv)
     _add_tree_options(srv)
+    _add_retrieval_options(srv, context_file=False)
+    srv.add_argument("--drafting-length", type=int, default=None,
+                     help="rapid, rapid+block: cache slots of each request's drafting context (retrieved passages, "
+                          "question and completion; default: --retrieval-budget + --max-new-tokens + 256)")
     srv.set_defaults(func=cmd_serve, parser=srv)
 
     bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")

@@ -184,6 +184,11 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     assert main([a for a in base if a != "--json"] + rapid_args) == 0  # the printed summary
     err = capsys.readouterr().err
     assert "bm25 retrieved" in err and "retrieval cache" in err and "tau" in err
+    assert main(base + rapid_args + ["--redraft-every", "3"]) == 0  # retrieval again, for the answer so far
+    again = _last_json(capsys)
+    assert again["tokens"] == ar["tokens"] and again["stats"]["redrafts"] >= 1
+    assert main(base + ["--redraft-every", "3"]) == 2  # re-retrieval is for rapid and rapid+block only
+    assert "applies to the methods rapid" in capsys.readouterr().err
     assert main(["bench", "--model", str(root / "model"), "--methods", "ar,rapid,rapid+block", "--context-file",
                  str(document), "--prompt", "where did the cat sit", "--no-chat", "--max-new-tokens", "6", "--json",
                  "--drafter", str(root / "drafter")] + rapid_args[2:]) == 0

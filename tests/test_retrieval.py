@@ -160,3 +160,27 @@ def test_dense_retrieval_with_minilm_finds_the_passage_about_the_question(minilm
     assert index.select("How do plants make sugar from sunlight?", config).chunks == [1]
     assert index.select("When did the young composer write music?", config).chunks == [3]
     assert index.select("quarterly semiconductor tariffs", config).chunks == []  # below the cosine threshold
+
+
+def test_a_chat_gets_the_document_before_its_last_user_message():
+    from specjax.data.retrieval import long_context_prompt
+
+    class Echo:  # renders messages as text, so the test reads where the document went
+        def encode(self, text, add_special_tokens=True):
+            return list(text.encode()) if isinstance(text, str) else list(repr(text).encode())
+
+        def encode_chat(self, messages):
+            return list(repr(messages).encode())
+
+        def decode(self, ids):
+            return bytes(ids).decode()
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "who won?"}]
+    built = long_context_prompt(Echo(), "DOC", messages, chat=True)
+    want = messages[:3] + [{"role": "user", "content": "DOC\n\nwho won?"}]
+    assert bytes(built.full).decode() == repr(want)
+    with pytest.raises(SpecjaxError, match="last user message"):
+        long_context_prompt(Echo(), "DOC", messages[:1])
+    with pytest.raises(SpecjaxError, match="chat template"):
+        long_context_prompt(Echo(), "DOC", messages, chat=False)

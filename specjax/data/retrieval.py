@@ -226,24 +226,66 @@ def describe_long_context(summary: dict) -> str:
     return line
 
 
-def long_context_prompt(tokenizer, document: str, question: str, config: RetrievalConfig | None = None,
+def _question_parts(question: str | list[dict], chat: bool):
+    """(the query text, a function placing a context before the question: a string, or the messages
+    with the context before the last user message's content)."""
+    if isinstance(question, str):
+        return question, lambda context: f"{context}\n\n{question}" if question.strip() else context
+    if not chat:
+        raise SpecjaxError("chat messages need the chat template (chat=True)")
+    users = [i for i, m in enumerate(question) if m.get("role") == "user"]
+    if not users:
+        raise SpecjaxError("a document goes before the last user message; these messages have none")
+    last, query = users[-1], question[users[-1]]["content"]
+
+    def joined(context):
+        content = f"{context}\n\n{query}" if query.strip() else context
+        return [*question[:last], {**question[last], "content": content}, *question[last + 1:]]
+    return query, joined
+
+
+def long_context_prompt(tokenizer, document: str, question: str | list[dict], config: RetrievalConfig | None = None,
                         cache: IndexCache | None = None, encoder=None, chat: bool = True) -> LongContextPrompt:
     """The target's prompt for `document` and `question` (tokenizer: the target's `TextTokenizer`)
     and, with a retrieval config, rapid's drafting prompt: the document cut into chunks of the
     target's tokens, retrieved for the question (or, when it is blank, for the document's last
     `recent_tokens` tokens). Methods other than rapid decode `full`, so every method is compared on
-    the same input."""
+    the same input. question may be a chat's messages: the context then goes before the content of
+    the last user message, which is the query."""
     if not document.strip():
         raise SpecjaxError("the context document is empty")
+    query, joined = _question_parts(question, chat)
     encode = tokenizer.encode_chat if chat else tokenizer.encode
-    joined = lambda context: f"{context}\n\n{question}" if question.strip() else context  # noqa: E731
     ids = tokenizer.encode(document, add_special_tokens=False)
     if config is None:
         return LongContextPrompt(encode(joined(document)), None, None, len(ids), 0.0)
     cache = cache if cache is not None else IndexCache()
     misses = cache.misses
     index = cache.get_or_build(ids, tokenizer.decode, config, encoder)
-    query = question if question.strip() else tokenizer.decode(ids[-config.recent_tokens:])
+    query = query if query.strip() else tokenizer.decode(ids[-config.recent_tokens:])
     selection = index.select(query, config, separator=tokenizer.encode("\n\n", add_special_tokens=False))
     return LongContextPrompt(encode(joined(document)), encode(joined(tokenizer.decode(selection.token_ids))),
                              selection, len(ids), index.build_seconds if cache.misses > misses else 0.0)
+
+
+def redrafting(tokenizer, document: str, question: str | list[dict], config: RetrievalConfig, every: int,
+               cache: IndexCache | None = None, encoder=None, chat: bool = True):
+    """Re-retrieval every `every` generated tokens for one long-context request: a
+    `decode/rapid.py:Redraft` whose prompt_for retrieves for the question followed by the last
+    `recent_tokens` generated tokens, as text, and returns the drafting prompt built from what it
+    picked (as `long_context_prompt` builds it), without the generated tokens."""
+    from specjax.decode.rapid import Redraft
+
+    query, joined = _question_parts(question, chat)
+    encode = tokenizer.encode_chat if chat else tokenizer.encode
+    cache = cache if cache is not None else IndexCache()
+    index = cache.get_or_build(tokenizer.encode(document, add_special_tokens=False), tokenizer.decode, config, encoder)
+    separator = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def prompt_for(row: int, generated: list[int]) -> list[int]:
+        recent = tokenizer.decode(list(generated[-config.recent_tokens:]))
+        selection = index.select(f"{query}\n{recent}".strip(), config, separator=separator)
+        return encode(joined(tokenizer.decode(selection.token_ids)))
+
+    # Chunks decoded and encoded again may tokenize a little differently: leave room for that.
+    return Redraft(every, prompt_for, config.budget_tokens + len(encode(joined(""))) + 64)

@@ -8,6 +8,7 @@ recompile.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -33,13 +34,15 @@ from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import embed_tokens, forward, head_matrix
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
-from specjax.decode.rapid import RapidConfig
+from specjax.decode.rapid import RapidConfig, Redraft
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
 METHODS = tuple(SLOT_METHODS)
 SPECULATIVE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_drafter)
 REFINED_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_refiner)
 TREE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_tree)
+
+log = logging.getLogger("specjax.decode")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -79,7 +82,11 @@ class DecodeRequestShape:
     retrieval_bucket: int = 0
     """Padded length of the drafting contexts (rapid), 0 for the other methods."""
     retrieval_length: int = 0
-    """Slots of each row's retrieval cache (rapid)."""
+    """Slots of each row's drafting context (rapid, rapid+block): the longest drafting prompt (first
+    or re-retrieved), the new tokens and one step's writes."""
+    sync_every: int = 0
+    """Tokens per device call of a loop that syncs with the host (streaming, re-retrieval); 0 when
+    one call runs to the end."""
 
 
 class Engine:
@@ -154,7 +161,7 @@ class Engine:
                  stream_every: int = 8, denoise_steps: int = 1,
                  refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
                  retrieval_prompts: Sequence[Sequence[int]] | None = None,
-                 rapid: RapidConfig = RapidConfig()) -> GenerationResult:
+                 rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
@@ -169,6 +176,9 @@ class Engine:
         retrieval_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
         question, `data/retrieval.py`); the target verifies with the prompt itself.
         rapid: how rapid drafts.
+        redraft: re-retrieval for rapid and rapid+block: every `redraft.every` generated tokens each
+        row's drafting context is rebuilt from `redraft.prompt_for` (the loop then syncs with the host
+        about that often, as streaming does).
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
@@ -195,6 +205,8 @@ class Engine:
                 raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
                                    f"per prompt (retrieval_prompts)")
             self.validate(retrieval_prompts, max_new_tokens)
+        if redraft is not None and not spec.needs_retrieval:
+            raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -220,7 +232,8 @@ class Engine:
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
-            streaming=on_tokens is not None,
+            streaming=on_tokens is not None or redraft is not None,
+            sync_every=stream_every if on_tokens is not None else redraft.every if redraft is not None else 0,
             denoise_steps=denoise_steps if spec.needs_drafter else 1,
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
@@ -228,7 +241,8 @@ class Engine:
             rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
             retrieval_bucket=retrieval_bucket,
             # The first draft pass writes from one slot before last_token (decode/rapid.py).
-            retrieval_length=_round_up(retrieval_bucket + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0,
+            retrieval_length=(_round_up(max(retrieval_bucket, redraft.max_prompt_tokens if redraft else 0)
+                                        + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0),
         )
         tokens = np.zeros((len(prompts), bucket), np.int32)
         for i, p in enumerate(prompts):
@@ -243,7 +257,9 @@ class Engine:
             for i, p in enumerate(retrieval_prompts):
                 padded[i, : len(p)] = p
             retrieval = (jnp.asarray(padded), jnp.asarray([len(p) for p in retrieval_prompts], jnp.int32))
-        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every, retrieval))
+        if shape.sync_every:
+            stream_every = shape.sync_every
+        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every, retrieval, redraft))
 
     @property
     def precision(self) -> dict:
@@ -300,7 +316,7 @@ class Engine:
         return GenerationResult(rows, stats)
 
     def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int,
-                        retrieval=None) -> GenerationResult:
+                        retrieval=None, redraft: Redraft | None = None) -> GenerationResult:
         """Decoding on the serving step (decode/slots.py), every method: the prompts fill a slot
         batch of their own. Without on_tokens one device call runs every step (`run_to_end`);
         with it, each call runs about `stream_every` tokens' worth (`stream_every // 2` verify steps
@@ -352,12 +368,22 @@ class Engine:
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
         prefill_s = time.perf_counter() - start
+        redrafts, redraft_s = 0, 0.0
         if shape.streaming:
+            next_redraft = np.full(batch, redraft.every if redraft else 0)
             while True:
                 tokens, counts, done = jax.device_get((state.tokens, state.num_generated, state.done))
-                on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
+                if on_tokens is not None:
+                    on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
                 if done.all():
                     break
+                due = [] if redraft is None else [i for i in range(batch) if not done[i] and counts[i] >= next_redraft[i]]
+                if due:
+                    started = time.perf_counter()
+                    state, refreshed = self._redraft(shape, statics, parts, state, redraft, due, tokens, counts)
+                    redraft_s += time.perf_counter() - started
+                    redrafts += refreshed
+                    next_redraft[due] = (counts[due] // redraft.every + 1) * redraft.every
                 state = run(parts, state)
         else:
             state = jax.block_until_ready(run(parts, state))
@@ -383,18 +409,24 @@ class Engine:
         # Every row drafts, refines and verifies together in each step until the last row is done,
         # so the longest-running row's counters are the batch's per-step counts.
         longest = int(np.argmax(steps))
-        stats.update({"streamed": shape.streaming, "draft_tokens": int(drafted.sum())})
+        stats.update({"streamed": on_tokens is not None, "draft_tokens": int(drafted.sum())})
         if on_retrieval:
             stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
+        if redraft is not None:
+            stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s)
+            if redrafts:  # the drafting contexts were refilled: report them as they ended
+                stats["drafting_context_tokens"] = [int(n) for n in jax.device_get(state.retrieval_lengths)]
         if shape.rapid is not None:
             memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
                                    None if shape.streaming else run)
             memory["retrieval_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.retrieval_length)
             stats.update({"rapid_drafts": shape.rapid.drafts, "rapid_eta": shape.rapid.eta,
                           "drafting_context_tokens": [int(n) for n in np.asarray(retrieval[1])], "memory": memory})
+            # The steps are fused; the split is loop_steps x the draft and verify passes timed alone.
+            phases = self._phase_seconds(shape, statics, parts)
+            stats.update({"draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
             if shape.rapid.lossy:
-                stats["lossy"] = (f"rapid knowledge transfer at eta={shape.rapid.eta:g}: the output follows the "
-                                  f"target shifted toward its drafts, not the target")
+                stats["lossy"] = shape.rapid.lossy_label
             return GenerationResult(rows, stats)
         if shape.tree is None:
             # The steps are fused; the split is loop_steps x the phases timed alone at these shapes.
@@ -429,6 +461,37 @@ class Engine:
         if on_retrieval:  # rapid+block: the drafter's context is sized by the drafting prompt, not the full one
             stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.retrieval_length))
         return GenerationResult(rows, stats)
+
+    def _redraft(self, shape: DecodeRequestShape, statics, parts, state, redraft: Redraft, rows: list[int],
+                 tokens, counts):
+        """Rebuild the drafting contexts of `rows`: each row's new drafting prompt, then its generated
+        tokens before last_token (already in its caches). Returns (state, rows refreshed). A prompt
+        longer than redraft.max_prompt_tokens would not fit the drafting context: that row keeps its
+        context (a warning says so), since the output does not depend on it."""
+        prompts, refreshed = [], []
+        for row in rows:
+            generated = tokens[row, : counts[row]].tolist()
+            prompt = list(redraft.prompt_for(row, generated))
+            if not 1 <= len(prompt) <= redraft.max_prompt_tokens:
+                log.warning("re-retrieval gave row %d a drafting prompt of %d tokens, outside 1..%d "
+                            "(Redraft.max_prompt_tokens): it keeps its drafting context", row, len(prompt),
+                            redraft.max_prompt_tokens)
+                continue
+            prompts.append(prompt + generated[:-1])
+            refreshed.append(row)
+        if not refreshed:
+            return state, 0
+        # One compiled refresh per width: the rows are padded to the batch (out-of-range rows drop).
+        width = min(_round_up(max(map(len, prompts)), self.prompt_bucket), shape.retrieval_length)
+        padded = np.zeros((shape.batch, width), np.int32)
+        lengths = np.ones(shape.batch, np.int32)
+        for i, prompt in enumerate(prompts):
+            padded[i, : len(prompt)], lengths[i] = prompt, len(prompt)
+        row_ids = np.full(shape.batch, shape.batch, np.int32)
+        row_ids[: len(refreshed)] = refreshed
+        state = slot_api.refresh_drafting(parts, state, jnp.asarray(row_ids), jnp.asarray(padded), jnp.asarray(lengths),
+                                          statics=statics)
+        return jax.block_until_ready(state), len(refreshed)
 
     def _phase_seconds(self, shape: DecodeRequestShape, statics, parts) -> dict:
         """Seconds of one draft, refinement and verify pass at this request's shapes (measured once)."""

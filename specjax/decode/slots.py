@@ -168,7 +168,8 @@ class SlotState:
     tokens (decode/rapid.py); None when no rapid step will run. Only rapid steps write it, so a
     row that another method advanced must not step with rapid again."""
     retrieval_lengths: jax.Array | None = None
-    """[S] int32: the retrieval-cache slot of last_token (filled slots before it)."""
+    """[S] int32: the drafting-context slot of last_token (filled slots before it): in rapid's
+    retrieval cache, or rapid+block's drafter context."""
     retrieval_previous: jax.Array | None = None
     """[S] int32: the token before last_token, which a rapid step rewrites first."""
 
@@ -295,8 +296,8 @@ class InsertRequest:
     draft_limit: jax.Array | None = None
     """[R] int32: each row's SlotState.draft_limit (None: no limit)."""
     retrieval_prompts: jax.Array | None = None
-    """[R, Q] int32, right-padded: each row's drafting context for rapid (retrieved chunks and the
-    question); needed when the slots have a retrieval cache."""
+    """[R, Q] int32, right-padded: each row's drafting prompt for rapid and rapid+block (retrieved
+    chunks and the question); needed when the slots have a drafting context (retrieval_length)."""
     retrieval_prompt_lengths: jax.Array | None = None
     """[R] int32."""
     final: jax.Array | None = None
@@ -370,20 +371,44 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         if request.retrieval_prompts is None or request.offsets is not None:
             raise SpecjaxError("slots with a drafting context (rapid, rapid+block) insert whole prompts with "
                                "their drafting prompts (retrieval_prompts)")
-        _, retrieval_cache, features = prefill(parts.target, statics.target_config, request.retrieval_prompts,
-                                               request.retrieval_prompt_lengths, statics.retrieval_length,
-                                               hidden_layers=dcfg.target_layer_ids if on_retrieval else ())
-        if on_retrieval:  # the drafter reads the drafting prompt's features, at its positions
-            context = prefill_context(parts.drafter, dcfg, count, statics.retrieval_length, features,
-                                      request.retrieval_prompt_lengths)
-        last = jnp.take_along_axis(request.retrieval_prompts, (request.retrieval_prompt_lengths - 1)[:, None], axis=1)
-        fresh.update(retrieval_lengths=put(state.retrieval_lengths, request.retrieval_prompt_lengths),
-                     retrieval_previous=put(state.retrieval_previous, last[:, 0]))
-        if statics.rapid is not None:
-            fresh["retrieval_cache"] = put(state.retrieval_cache, retrieval_cache)
+        drafting = _drafting_context(parts, statics, request.retrieval_prompts, request.retrieval_prompt_lengths)
+        if on_retrieval:
+            context = drafting.pop("context_cache")
+        fresh.update({name: put(getattr(state, name), value) for name, value in drafting.items()})
     if dcfg is not None:
         fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
+
+
+def _drafting_context(parts: SlotParts, statics: SlotStatics, prompts, lengths) -> dict:
+    """Rows' drafting contexts (rapid, rapid+block) filled with prompts [R, Q] (right-padded, lengths
+    [R]): the SlotState fields for those rows. The drafting prompt's last token is the one before the
+    row's last_token, and last_token goes at slot `lengths`."""
+    dcfg = statics.drafter_config
+    on_retrieval = dcfg is not None and statics.drafter_on_retrieval
+    _, retrieval_cache, features = prefill(parts.target, statics.target_config, prompts, lengths,
+                                           statics.retrieval_length,
+                                           hidden_layers=dcfg.target_layer_ids if on_retrieval else ())
+    last = jnp.take_along_axis(prompts, (lengths - 1)[:, None], axis=1)[:, 0]  # [R]
+    out = {"retrieval_lengths": lengths, "retrieval_previous": last}
+    if on_retrieval:  # the drafter reads the drafting prompt's features, at its positions
+        out["context_cache"] = prefill_context(parts.drafter, dcfg, prompts.shape[0], statics.retrieval_length,
+                                               features, lengths)
+    if statics.rapid is not None:
+        out["retrieval_cache"] = retrieval_cache
+    return out
+
+
+@partial(jax.jit, static_argnames=("statics",), donate_argnames=("state",))
+def refresh_drafting(parts: SlotParts, state: SlotState, rows, prompts, lengths, *, statics: SlotStatics) -> SlotState:
+    """Replace the drafting contexts of `rows` [R] (re-retrieval, decode/rapid.py): each is refilled
+    with prompts [R, Q] (right-padded, lengths [R]), which hold the new drafting prompt followed by
+    the row's generated tokens before its last_token. The full cache and every other field stay;
+    rows out of range are dropped (padding)."""
+    if not statics.retrieval_length:
+        raise SpecjaxError("only slots with a drafting context (rapid, rapid+block) refresh it")
+    drafting = _drafting_context(parts, statics, prompts, lengths)
+    return state.replace(**{name: _put_rows(getattr(state, name), value, rows) for name, value in drafting.items()})
 
 
 def _any_sampled(sampling: RowSampling) -> jax.Array:
@@ -744,23 +769,39 @@ def move_row(state: SlotState, source, target) -> SlotState:
 
 
 def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool, repeats: int = 3) -> dict:
-    """Median seconds of one draft pass, one refinement pass (refined methods only) and one verify
-    pass over a block per row, at this slot batch with every cache half full. A step is one fused
+    """Median seconds of one draft (a drafter pass; rapid: its K target passes on the drafting
+    context), one refinement pass (refined methods only) and one verify pass over a block per row
+    (rapid: K + 1 tokens), at this slot batch with every cache half full. A step is one fused
     device call; these proportions are how its wall time is split between the phases."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
-    rows, block = statics.slot.slots, dcfg.block_size
-    state = empty_slots(statics).replace(lengths=jnp.full((rows,), statics.slot.cache_length // 2, jnp.int32))
+    rows = statics.slot.slots
+    half = lambda length: jnp.full((rows,), length // 2, jnp.int32)  # noqa: E731
+    state = empty_slots(statics).replace(lengths=half(statics.slot.cache_length))
+    if statics.rapid is not None:  # the target drafts on its retrieval cache, K passes of one token
+        block, taps = statics.rapid.drafts + 1, ()
+        state = state.replace(retrieval_lengths=half(statics.retrieval_length))
+        greedy = lambda logits, keys: (jnp.argmax(logits, axis=-1).astype(jnp.int32), ())  # noqa: E731
 
-    def draft(parts, state):
-        hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
-                                    state.context_cache)
-        return hidden, apply_head(hidden, parts.head)
+        def draft(parts, state):
+            keys = jnp.zeros((statics.rapid.drafts, rows, 2), jnp.uint32)
+            return draft_on_retrieved(parts.target, tcfg, state.retrieval_cache, state.retrieval_lengths,
+                                      state.retrieval_previous, state.last_token, keys, greedy)[0]
+    else:
+        block, taps = dcfg.block_size, dcfg.target_layer_ids
+        if statics.drafter_on_retrieval:  # rapid+block drafts at drafting-context positions
+            state = state.replace(retrieval_lengths=half(statics.retrieval_length))
+
+        def draft(parts, state):
+            at = state.retrieval_lengths if statics.drafter_on_retrieval else state.lengths
+            hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, at,
+                                        state.context_cache)
+            return hidden, apply_head(hidden, parts.head)
 
     def verify(parts, state):
         tokens = jnp.zeros((rows, block), jnp.int32)
         positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
         return forward(parts.target, tcfg, tokens, positions, state.target_cache, state.lengths,
-                       hidden_layers=dcfg.target_layer_ids).logits
+                       hidden_layers=taps).logits
 
     draft_fn, verify_fn = jax.jit(draft), jax.jit(verify)
     out = {"draft": median_seconds(repeats, lambda: draft_fn(parts, state))}

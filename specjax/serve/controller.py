@@ -134,6 +134,13 @@ class HeldRow:
     """Whether its drafter context is still counted."""
     speculating: bool = True
     """False for a request limited to 0 drafts: dropping its drafter state loses nothing."""
+    drafter_tokens: int | None = None
+    """Positions its drafter context holds, when not `tokens` (a drafting context sized by the
+    request's drafting prompt: rapid, rapid+block)."""
+
+    @property
+    def drafting(self) -> int:
+        return self.tokens if self.drafter_tokens is None else self.drafter_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +159,19 @@ def relieve_memory(rows: Sequence[HeldRow], bytes_per_token: dict[str, int], exc
     server makes progress (a request alone is never preempted)."""
     target, drafter = bytes_per_token.get("target", 0), bytes_per_token.get("drafter", 0)
     staying = sorted(rows, key=lambda r: r.admitted)  # oldest first; the newest is popped first
-    droppable = lambda: sum(r.tokens * drafter for r in staying if r.holds_drafter)  # noqa: E731
+    droppable = lambda: sum(r.drafting * drafter for r in staying if r.holds_drafter)  # noqa: E731
     preempt, freed = [], 0
     while len(staying) > 1 and excess_bytes - freed > droppable():
         row = staying.pop()
         preempt.append(row.slot)
-        freed += row.tokens * (target + (drafter if row.holds_drafter else 0))
+        freed += row.tokens * target + (row.drafting * drafter if row.holds_drafter else 0)
     drop = []
     for row in sorted(reversed(staying), key=lambda r: r.speculating):  # stable: newest first within each
         if freed >= excess_bytes:
             break
         if row.holds_drafter and drafter:
             drop.append(row.slot)
-            freed += row.tokens * drafter
+            freed += row.drafting * drafter
     return Relief(tuple(drop), tuple(preempt), freed)
 
 

@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server over the scheduler (FastAPI + uvicorn, SSE for streaming).
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
-/health and /metrics (Prometheus text). Each response carries its request's speculative metrics
+/health and /metrics (Prometheus text). A request may carry a long `document`: it goes before the
+prompt (or the last user message), and a rapid or rapid+block server drafts from the chunks of it
+retrieved for the question (the `retrieval` object overrides the server's retrieval settings). Each response carries its request's speculative metrics
 under `metrics.speculative_decoding`, as vLLM's do. Bad input gets 400 with a message, a full queue
 429 with Retry-After, and a client that disconnects cancels its request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -15,6 +18,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from specjax.data.retrieval import RetrievalConfig
 
 from specjax.errors import SpecjaxError
 from specjax.serve.scheduler import QueueFull, Request, RequestHandle, RequestResult, Scheduler
@@ -47,14 +53,53 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     raise BadRequest(f"'stop' must be a string or a list of strings, got {stop!r}")
 
 
-def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request, bool]:
-    """An OpenAI request body -> (Request, stream); raises BadRequest with a message for the client."""
+# What a request may change of the server's retrieval settings. The chunking stays the server's:
+# a document's index is built once per chunk size and shared by every request about it.
+_RETRIEVAL_FIELDS = {"retriever": None, "budget_tokens": int, "top_k": int, "min_score": float}
+
+
+def _retrieval_config(scheduler: Scheduler, body: dict) -> RetrievalConfig:
+    overrides = body.get("retrieval")
+    if overrides is None:
+        return scheduler.config.retrieval
+    if not isinstance(overrides, dict):
+        raise BadRequest(f"'retrieval' must be an object with some of {', '.join(_RETRIEVAL_FIELDS)}")
+    unknown = sorted(set(overrides) - set(_RETRIEVAL_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown retrieval setting {unknown[0]!r}; a request may set {', '.join(_RETRIEVAL_FIELDS)}")
+    values = {}
+    for name, kind in _RETRIEVAL_FIELDS.items():
+        if name not in overrides:
+            continue
+        if kind is None:
+            if not isinstance(overrides[name], str):
+                raise BadRequest(f"'retrieval.{name}' must be a string, got {overrides[name]!r}")
+            values[name] = overrides[name]
+        else:
+            values[name] = _number(overrides, name, kind, None, 1 if kind is int else None, None)
+    try:
+        return dataclasses.replace(scheduler.config.retrieval, **values)
+    except SpecjaxError as exc:
+        raise BadRequest(f"bad retrieval settings: {exc}") from None
+
+
+def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request, bool, dict | None]:
+    """An OpenAI request body -> (Request, stream, what retrieval did for a document request or None);
+    raises BadRequest with a message for the client. A document is tokenized, indexed (or found in
+    the index cache) and searched here, so call it off the event loop."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != scheduler.model.name:
         raise BadRequest(f"unknown model {model!r}; this server serves {scheduler.model.name!r}")
     tokenizer = scheduler.model.tokenizer
+    document = body.get("document")
+    if document is not None and (not isinstance(document, str) or not document.strip()):
+        raise BadRequest("'document' must be a non-empty string")
+    if document is None and body.get("retrieval") is not None:
+        raise BadRequest("'retrieval' applies to a request with a 'document'")
+    if document is not None and tokenizer is None:
+        raise BadRequest("this model has no tokenizer, which a document request needs")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -66,6 +111,8 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
         prompt = tokenizer.encode_chat(messages)
     else:
         raw = body.get("prompt")
+        if document is not None and not isinstance(raw, str):
+            raise BadRequest("with a document, give the prompt (the question) as a string")
         if isinstance(raw, str):
             if tokenizer is None:
                 raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
@@ -86,8 +133,7 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
     method = body.get("method")
     if method is not None and not isinstance(method, str):
         raise BadRequest(f"'method' must be a string, got {method!r}")
-    request = Request(
-        prompt=tuple(prompt),
+    fields = dict(
         max_tokens=_number(body, "max_tokens", int, 16 if not chat else 128, 1, scheduler.config.max_new_tokens),
         temperature=_number(body, "temperature", float, 1.0, 0.0, 100.0),
         top_k=max(0, _number(body, "top_k", int, 0, -1, None)),  # OpenAI clients send -1 for "off"
@@ -97,13 +143,21 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
         speculation=speculation,
         method=method,
     )
-    if request.top_p == 0.0:
+    if fields["top_p"] == 0.0:
         raise BadRequest("'top_p' must be above 0")
+    retrieval = None
     try:
+        if document is None:
+            request = Request(prompt=tuple(prompt), **fields)
+        else:
+            request, retrieval = scheduler.document_request(
+                document, messages if chat else raw, _retrieval_config(scheduler, body), chat=chat, **fields)
         scheduler.validate(request)
+    except QueueFull:
+        raise
     except SpecjaxError as error:
         raise BadRequest(str(error)) from None
-    return request, stream
+    return request, stream, retrieval
 
 
 def _usage(result: RequestResult) -> dict:
@@ -141,7 +195,7 @@ def create_app(scheduler: Scheduler):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error(400, f"the request body is not valid JSON: {exc}")
         try:
-            request, stream = _parse_request(scheduler, body, chat)
+            request, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
             handle = scheduler.submit(request)
         except QueueFull as exc:
             return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
@@ -151,7 +205,7 @@ def create_app(scheduler: Scheduler):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
         if stream:
-            return StreamingResponse(_sse(http, handle, request_id, created, model_name, chat),
+            return StreamingResponse(_sse(http, handle, request_id, created, model_name, chat, retrieval),
                                      media_type="text/event-stream")
         try:
             result = await _wait_or_cancel(http, handle)
@@ -166,7 +220,7 @@ def create_app(scheduler: Scheduler):
             choice["text"] = result.text
             choice["token_ids"] = result.token_ids
         return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": _usage(result), "metrics": result.metrics}
+                "usage": _usage(result), "metrics": _with_retrieval(result.metrics, retrieval)}
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -197,11 +251,17 @@ async def _wait_or_cancel(http, handle: RequestHandle) -> RequestResult:
             raise _Disconnected()
 
 
+def _with_retrieval(metrics: dict, retrieval: dict | None) -> dict:
+    """The request's metrics, with what retrieval did for a document request."""
+    return metrics if retrieval is None else {**metrics, "retrieval": retrieval}
+
+
 def _finish_reason(result: RequestResult) -> str:
     return {"cancelled": "abort"}.get(result.finish_reason, result.finish_reason)
 
 
-async def _sse(http, handle: RequestHandle, request_id: str, created: int, model: str, chat: bool):
+async def _sse(http, handle: RequestHandle, request_id: str, created: int, model: str, chat: bool,
+               retrieval: dict | None = None):
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -232,7 +292,8 @@ async def _sse(http, handle: RequestHandle, request_id: str, created: int, model
         if result.finish_reason == "error":
             yield event({"error": {"message": result.error or "decoding failed", "type": "server_error", "code": 500}})
         else:
-            yield chunk("", [], _finish_reason(result), {"usage": _usage(result), "metrics": result.metrics})
+            yield chunk("", [], _finish_reason(result), {"usage": _usage(result),
+                                                         "metrics": _with_retrieval(result.metrics, retrieval)})
         yield "data: [DONE]\n\n"
     finally:
         if not handle.done:  # the response was abandoned (client gone): free the slot

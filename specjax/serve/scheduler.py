@@ -28,12 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import slots as slot_api
+from specjax.data.retrieval import NEEDS_ENCODER, IndexCache, RetrievalConfig, long_context_prompt
 from specjax.decode.budget import LatencyModel
+from specjax.decode.rapid import RapidConfig
 from specjax.decode.refine import RefineConfig
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.io.dflash import LoadedDrafter, check_pair
+from specjax.io.encoder import load_sentence_encoder
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel, cache_dir
 from specjax.models.cache import tree_bytes
@@ -88,11 +91,30 @@ class ServeConfig:
     snapshot_every: float = 1.0
     """Seconds between the live-signal snapshots written to the run log (`metrics_log`), which
     `specjax report` plots."""
+    rapid: RapidConfig = RapidConfig()
+    """How the rapid method drafts (its drafts per step, and eta: knowledge transfer, lossy)."""
+    retrieval: RetrievalConfig = RetrievalConfig()
+    """How a document request's drafting prompt is retrieved (`document_request`; a request may
+    override it)."""
+    drafting_length: int | None = None
+    """rapid and rapid+block: cache slots of each request's drafting context, which holds its
+    drafting prompt (the chunks retrieved from its document and its question, `Request.drafting_prompt`),
+    its generated tokens and one step's writes. Allocated per slot beside the full context. None:
+    the retrieval budget + max_new_tokens + 256 (the question and the chat template)."""
+
+    @property
+    def drafting_slots(self) -> int:
+        """Slots of each drafting context (`drafting_length`, or its default)."""
+        if self.drafting_length is not None:
+            return self.drafting_length
+        return self.retrieval.budget_tokens + self.max_new_tokens + 256
 
     def __post_init__(self):
         check_at_least(1, slots=self.slots, context_length=self.context_length, max_new_tokens=self.max_new_tokens,
                        steps_per_sync=self.steps_per_sync, prompt_bucket=self.prompt_bucket, max_queue=self.max_queue,
                        insert_rows=self.insert_rows)
+        if self.drafting_length is not None:
+            check_at_least(1, drafting_length=self.drafting_length)
         check_at_least(0, prefill_chunk=self.prefill_chunk)
         if not self.snapshot_every > 0:
             raise SpecjaxError(f"snapshot_every must be positive seconds, got {self.snapshot_every}")
@@ -116,6 +138,11 @@ class Request:
     method: str | None = None
     """A policy this server compiled, for experiments: "ar" limits the row to 0 drafts, "chain:K" to K,
     and any other pins the batch's policy while the request runs. None: the server's choice."""
+    drafting_prompt: tuple[int, ...] | None = None
+    """What a rapid or rapid+block server drafts from: the chunks retrieved from the request's
+    document and its question (`Scheduler.document_request` builds both prompts). None: the
+    prompt's most recent tokens that fit the drafting context. Other methods read `prompt` only,
+    so every method answers the same input."""
 
 
 @dataclasses.dataclass
@@ -266,6 +293,14 @@ class _Live:
         return tuple(self.handle.request.prompt) + tuple(self.resumed)
 
     @property
+    def drafting_prompt(self) -> tuple[int, ...]:
+        """What the row drafts from (rapid, rapid+block): its drafting prompt, then what it generated
+        before a preemption."""
+        request = self.handle.request
+        own = request.prompt if request.drafting_prompt is None else request.drafting_prompt
+        return tuple(own) + tuple(self.resumed)
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.prompt)
 
@@ -303,6 +338,12 @@ class Scheduler:
         else:
             refiner = None
         self.model, self.drafter, self.refiner, self.config = model, drafter, refiner, config
+        # rapid and rapid+block keep a drafting context per slot that only their own steps advance
+        # (an AR or chain step would leave it behind, or write it at full-prompt positions), so
+        # they are served as a fixed method, never in the adaptive set.
+        self.drafts_from_retrieval = needs("needs_retrieval")
+        if self.drafts_from_retrieval and len(self.policies) > 1:
+            raise SpecjaxError("rapid and rapid+block are served as a fixed --method, not among adaptive policies")
         cache_length = -(-config.context_length // 64) * 64
         slot_config = slot_api.SlotConfig(slots=config.slots, cache_length=cache_length,
                                           max_new_tokens=config.max_new_tokens, steps_per_sync=config.steps_per_sync,
@@ -315,7 +356,10 @@ class Scheduler:
             target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
             drafter_config=None if drafter is None else drafter.config,
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
-            tree=config.tree if needs("needs_tree") else None)
+            tree=config.tree if needs("needs_tree") else None,
+            rapid=config.rapid if "rapid" in self.policies else None,
+            retrieval_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
+            drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
         # committed tokens; sliding layers keep KV rings that hold that much past their window.
         self.step_slack = max(statics.step_writes, model.config.query_rows or 1)
@@ -328,12 +372,20 @@ class Scheduler:
         self.statics = dataclasses.replace(statics, target_config=model.config.with_kv_rings(self.step_slack))
         self.max_prompt = config.context_length - self.step_slack - 1
         self.prompt_buckets = self._buckets()
+        # The first rapid draft pass writes one slot before the row's last token (decode/rapid.py).
+        self.max_drafting_prompt = config.drafting_slots - self.step_slack - 2
+        if self.drafts_from_retrieval and config.max_new_tokens + self.step_slack + 2 > config.drafting_slots:
+            raise SpecjaxError(f"drafting_length {config.drafting_slots} leaves no room for a drafting prompt with "
+                               f"max_new_tokens {config.max_new_tokens}")
         windowed = drafter is not None and drafter.config.window is not None
-        self.prefill_chunk = 0 if windowed or config.prefill_chunk >= self.max_prompt else config.prefill_chunk
+        # Drafting contexts are prefilled with their whole drafting prompt, so the prompt is too.
+        whole = windowed or self.drafts_from_retrieval
+        self.prefill_chunk = 0 if whole or config.prefill_chunk >= self.max_prompt else config.prefill_chunk
         # Steps compiled per attention length: a batch of short contexts reads only what it needs.
         self.attend_buckets = tuple(sorted({min(128 * 2**i, cache_length) for i in range(16)
                                             if i == 0 or 128 * 2**(i - 1) < cache_length}))
         self._lengths = np.zeros(config.slots, np.int64)  # each slot's cache length at the last sync
+        self._drafting_lengths = np.zeros(config.slots, np.int64)  # and its drafting context's (rapid)
         self.parts = slot_api.slot_parts(self.statics, model.params, None if drafter is None else drafter.params,
                                          None if drafter is None else drafter.draft_vocab,
                                          None if refiner is None else refiner.params)
@@ -351,6 +403,8 @@ class Scheduler:
         self.peaks = measure_peaks(cache_dir() / "peaks", dtype=model.config.dtype)
         self.phase_seconds: dict[str, float] = {}  # chains: measured at compile(); splits each step's time
         self._bytes_per_token = {"target": target_kv_bytes(self.statics.target_config, 1, 1)}
+        if self.statics.rapid is not None:  # the drafting context is a second target cache
+            self._bytes_per_token["drafter"] = self._bytes_per_token["target"]
         if drafter is not None:
             from specjax.decode.memory import drafter_state_breakdown
             per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
@@ -374,6 +428,11 @@ class Scheduler:
         self._stopping = False
         self._accepting = True
         self._compiled: dict[str, Any] = {}
+        self.indexes = IndexCache()  # document indexes, by content, shared by requests (document_request)
+        self._encoder = None  # the sentence encoder: loaded now for the server's retriever, or on first use
+        self._encoder_lock = threading.Lock()
+        if self.drafts_from_retrieval and config.retrieval.retriever in NEEDS_ENCODER:
+            self._encoder = load_sentence_encoder()
         self.compile_seconds = 0.0
         self.metrics.policy(self.policy, None)
         if compile_now:
@@ -417,9 +476,12 @@ class Scheduler:
         return next(b for b in self.prompt_buckets if b >= length)
 
     def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p, final=(True,),
-                        offsets=None, limits=None):
+                        offsets=None, limits=None, drafting=None):
+        """drafting: (prompts [R, W], lengths [R]) of the rows' drafting prompts (rapid, rapid+block)."""
         limits = [self.statics.block - 1] * len(rows) if limits is None else limits
         return slot_api.InsertRequest(
+            retrieval_prompts=None if drafting is None else jnp.asarray(drafting[0], jnp.int32),
+            retrieval_prompt_lengths=None if drafting is None else jnp.asarray(drafting[1], jnp.int32),
             draft_limit=jnp.asarray(limits, jnp.int32),
             final=jnp.asarray(final, bool), offsets=None if offsets is None else jnp.asarray(offsets, jnp.int32),
             rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
@@ -496,7 +558,9 @@ class Scheduler:
         (background=False: here too); the controller uses a policy only once it is compiled."""
         started = time.perf_counter()
         self._make_ready(self.policy)
-        for rows in self.insert_sizes:
+        # A drafting-context server's inserts are shaped by two prompts (the full one and the
+        # drafting one): too many pairs to compile ahead, so each compiles on its first request.
+        for rows in () if self.drafts_from_retrieval else self.insert_sizes:
             for bucket in self.prompt_buckets:
                 request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
                                                [1] * rows, [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows,
@@ -550,6 +614,16 @@ class Scheduler:
             raise SpecjaxError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds "
                                f"the context of {self.config.context_length - self.step_slack} tokens")
         SamplingConfig(request.temperature, request.top_k, request.top_p)  # refuses bad values, naming them
+        if self.drafts_from_retrieval:
+            drafting = self._with_drafting_prompt(request).drafting_prompt
+            bad = [t for t in drafting if not 0 <= int(t) < vocab]
+            if not drafting or bad:
+                raise SpecjaxError("the drafting prompt is empty" if not drafting else
+                                   f"drafting prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            if len(drafting) + request.max_tokens > self.max_drafting_prompt:
+                raise SpecjaxError(f"drafting prompt ({len(drafting)} tokens) + max_tokens ({request.max_tokens}) "
+                                   f"exceeds the drafting context of {self.max_drafting_prompt} tokens "
+                                   f"(ServeConfig.drafting_length, serve --drafting-length)")
         if request.stop and self.model.tokenizer is None:
             raise SpecjaxError("stop strings need a tokenizer; this model has none")
         if any(not s for s in request.stop):
@@ -587,9 +661,18 @@ class Scheduler:
         covering = [p for p in chains if length(p) >= drafts]
         return min(covering, key=length) if covering else max(chains, key=length)
 
+    def _with_drafting_prompt(self, request: Request) -> Request:
+        """On a rapid or rapid+block server, a request without a drafting prompt drafts from its
+        prompt's most recent tokens, as many as the drafting context holds beside its answer."""
+        if not self.drafts_from_retrieval or request.drafting_prompt is not None:
+            return request
+        room = max(self.max_drafting_prompt - request.max_tokens, 1)
+        return dataclasses.replace(request, drafting_prompt=tuple(request.prompt[-room:]))
+
     def submit(self, request: Request) -> RequestHandle:
         """Queue a request; returns at once. Raises SpecjaxError for a bad request and QueueFull when
         max_queue requests already wait."""
+        request = self._with_drafting_prompt(request)
         self.validate(request)
         with self._lock:
             if not self._accepting:
@@ -606,6 +689,36 @@ class Scheduler:
 
     def generate(self, request: Request) -> RequestResult:
         return self.submit(request).result()
+
+    def document_request(self, document: str, question: str | list[dict], retrieval: RetrievalConfig | None = None,
+                         chat: bool = True, **fields) -> tuple[Request, dict]:
+        """A request about a long document: the prompt holds the document and the question (a string,
+        or chat messages whose last user message it goes before), and on a rapid or rapid+block server
+        the drafting prompt holds the chunks retrieved from it for the question. Indexes are cached by
+        the document's content, so requests about one document share its index. fields: the other
+        Request fields. Returns (request, what retrieval did: `LongContextPrompt.summary`)."""
+        if self.model.tokenizer is None:
+            raise SpecjaxError("a document request needs the model's tokenizer; this model has none")
+        # The cheap refusals first: indexing a document costs an encoder pass over all of it.
+        if len(self._waiting) >= self.config.max_queue:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+        if not isinstance(document, str) or not document.strip():
+            raise SpecjaxError("the document is empty")
+        length = len(self.model.tokenizer.encode(document, add_special_tokens=False))
+        if length > self.max_prompt:
+            raise SpecjaxError(f"the document has {length} tokens; this server takes prompts of at most "
+                               f"{self.max_prompt} (serve --context-length)")
+        config = (retrieval or self.config.retrieval) if self.drafts_from_retrieval else None
+        encoder = None
+        if config is not None and config.retriever in NEEDS_ENCODER:
+            with self._encoder_lock:
+                if self._encoder is None:
+                    self._encoder = load_sentence_encoder()
+                encoder = self._encoder
+        built = long_context_prompt(self.model.tokenizer, document, question, config, self.indexes, encoder, chat)
+        request = Request(prompt=tuple(built.full),
+                          drafting_prompt=None if built.drafting is None else tuple(built.drafting), **fields)
+        return request, built.summary(config or self.config.retrieval)
 
     @property
     def num_waiting(self) -> int:
@@ -668,6 +781,8 @@ class Scheduler:
     @staticmethod
     def _writes(policy: str, statics) -> int:
         method = slot_api.slot_method(policy)
+        if method.needs_retrieval and not method.needs_drafter:  # rapid verifies its drafts + 1 tokens
+            return statics.rapid.drafts + 1
         if not method.needs_drafter:
             return 1
         if method.needs_tree:
@@ -702,6 +817,7 @@ class Scheduler:
             self._state = slot_api.move_row(self._state, highest, target)
             self._live[target] = self._live.pop(highest)
             self._lengths[target] = self._lengths[highest]
+            self._drafting_lengths[target] = self._drafting_lengths[highest]
 
     def _compiled_step(self, policy: str, length: int, rows: int):
         return self._compiled.get(("step", policy, length, rows)) or (
@@ -750,10 +866,16 @@ class Scheduler:
             return True
         if self.memory_state is not None and self.memory_state.alarm:
             return False
-        per_token = sum(self._bytes_per_token.values())
-        held = sum(int(self._lengths[slot]) for slot in self._live) + sum(len(x.prompt) for x in live)
-        held += len(request.prompt) + resumed
-        return held * per_token <= self.config.controller.kv_high_water * budget
+        target, drafter = self._bytes_per_token["target"], self._bytes_per_token.get("drafter", 0)
+        # A drafting context (rapid, rapid+block) holds the drafting prompt, not the full one.
+        drafting = self._drafting_lengths if self.drafts_from_retrieval else self._lengths
+        held = sum(int(self._lengths[slot]) * target + int(drafting[slot]) * drafter for slot in self._live)
+        own = request.prompt if request.drafting_prompt is None or not self.drafts_from_retrieval \
+            else request.drafting_prompt
+        held += sum(len(x.prompt) * target + len(x.drafting_prompt if self.drafts_from_retrieval else x.prompt) * drafter
+                    for x in live)
+        held += (len(request.prompt) + resumed) * target + (len(own) + resumed) * drafter
+        return held <= self.config.controller.kv_high_water * budget
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots, up to insert_rows of them per device call."""
@@ -813,7 +935,9 @@ class Scheduler:
 
         A chunked prompt's first chunk is the remainder (len mod chunk, or a whole chunk), so every
         later chunk is exactly prefill_chunk real tokens ending at most at the prompt's end: no
-        padding is written past the prompt, where a padded chunk could run off the cache."""
+        padding is written past the prompt, where a padded chunk could run off the cache.
+
+        On a rapid or rapid+block server every prompt goes in whole, with its drafting prompt."""
         chunk = self.prefill_chunk
         starts = [live.prefilled for _, live in batch]
         if any(starts):  # the next chunk, after what the row holds
@@ -833,6 +957,17 @@ class Scheduler:
         pad = rows - len(batch)
         for i, take in enumerate(takes):
             tokens[i, : len(take)] = take
+        drafting = None
+        if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0)
+            drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
+            longest = max(map(len, drafts_from))
+            drafting_width = min(next((b for b in self.prompt_buckets if b >= longest), longest),
+                                 self.statics.retrieval_length)
+            padded = np.zeros((rows, drafting_width), np.int32)
+            for i, take in enumerate(drafts_from):
+                padded[i, : len(take)] = take
+            drafting = (padded, [len(t) for t in drafts_from])
+            key = None  # compiled on first use (see compile)
         insert = self._insert_request(
             [slot for slot, _ in batch] + [self.config.slots] * pad, tokens, [len(t) for t in takes] + [1] * pad,
             [r.max_tokens - len(x.resumed) for r, x in zip(requests, lives)] + [1] * pad,
@@ -840,7 +975,7 @@ class Scheduler:
             [r.temperature for r in requests] + [0.0] * pad, [r.top_k for r in requests] + [0] * pad,
             [r.top_p for r in requests] + [1.0] * pad,
             final=[start + len(t) == len(x.prompt) for start, t, x in zip(starts, takes, lives)] + [True] * pad,
-            offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad)
+            offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad, drafting=drafting)
         started = time.perf_counter()
         run = self._compiled.get(key) or (lambda *a: slot_api.insert(*a, statics=self.statics))
         self._state = run(self.parts, self._state, insert)
@@ -849,6 +984,8 @@ class Scheduler:
         for (slot, live), start, take in zip(batch, starts, takes):
             live.prefilled = start + len(take)
             self._lengths[slot] = live.prefilled
+            if drafting is not None:
+                self._drafting_lengths[slot] = len(live.drafting_prompt)
             live.generated_reported = 0 if live.prefilling else 1  # the prefill's token is no step's
 
     def _continue_prefills(self) -> None:
@@ -885,6 +1022,8 @@ class Scheduler:
             self._report_step(now - step[0], step[1], step[2], synced[3], synced[6], step[3])
             self._observe_call(now - step[0], step[1], step[2], step[3], synced)
         self._lengths[:] = synced[5]
+        if self.drafts_from_retrieval:
+            self._drafting_lengths[:] = jax.device_get(state.retrieval_lengths)
         for slot, live in list(self._live.items()):
             if live.prefilling:
                 continue
@@ -994,6 +1133,8 @@ class Scheduler:
             "ttft_s": None if live.first_token_at is None else live.first_token_at - live.arrived,
             "e2e_s": now - live.arrived,
             "prompt_tokens": len(live.handle.request.prompt),
+            **({"drafting_prompt_tokens": len(live.drafting_prompt) - len(live.resumed)}
+               if self.drafts_from_retrieval else {}),
             "completion_tokens": live.emitted,
             "method": self.config.method,
             "precision": self.model.config.precision,
@@ -1004,6 +1145,8 @@ class Scheduler:
             "policy_steps": dict(live.policy_steps),
             "preemptions": live.handle._carry.get("preemptions", 0),
             "drafter_state_dropped": not live.holds_drafter,
+            **({"lossy": self.statics.rapid.lossy_label}
+               if self.statics.rapid is not None and self.statics.rapid.lossy else {}),
             # Quality beside speed: high acceptance from degenerate repetition shows as low distinct-n.
             "distinct_2": distinct_n(ids, 2),
             "distinct_3": distinct_n(ids, 3),
@@ -1051,7 +1194,9 @@ class Scheduler:
         # allocated once, and the budget bounds what live requests occupy of them.
         bytes_in_use = {"target": tokens_held * self._bytes_per_token["target"]}
         if "drafter" in self._bytes_per_token:
-            drafting = sum(n for slot, n in used.items() if self._live[slot].holds_drafter)
+            # A drafting context (rapid, rapid+block) holds the drafting prompt, not the full one.
+            held = self._drafting_lengths if self.drafts_from_retrieval else lengths
+            drafting = sum(int(held[slot]) for slot in used if self._live[slot].holds_drafter)
             bytes_in_use["drafter"] = drafting * self._bytes_per_token["drafter"]
         self.metrics.memory(tokens_held / capacity, bytes_in_use, self._bytes_per_token)
         state = self.memory_state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
@@ -1063,7 +1208,9 @@ class Scheduler:
         if not state.budget or state.bytes_in_use < high_water:
             return
         rows = [HeldRow(slot, live.admitted, used[slot], live.holds_drafter and "drafter" in self._bytes_per_token,
-                        speculating=live.draft_limit > 0) for slot, live in self._live.items() if not live.prefilling]
+                        speculating=live.draft_limit > 0,
+                        drafter_tokens=int(self._drafting_lengths[slot]) if self.drafts_from_retrieval else None)
+                for slot, live in self._live.items() if not live.prefilling]
         relief = relieve_memory(rows, self._bytes_per_token, state.bytes_in_use - high_water)
         for slot in relief.preempt:
             self._preempt(slot)
