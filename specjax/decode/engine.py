@@ -326,11 +326,16 @@ class Engine:
         uses_drafter = SLOT_METHODS[shape.method].needs_drafter
         speculative = uses_drafter or shape.rapid is not None
         on_retrieval = uses_drafter and shape.retrieval_length > 0  # rapid+block
+        steps_per_sync = max(1, stream_every // 2) if speculative else stream_every
+        if redraft is not None and on_tokens is None:
+            # Re-retrieval is due every `redraft.every` tokens: sync after at most that many.
+            block = self.drafter.config.block_size if uses_drafter else shape.rapid.drafts + 1
+            steps_per_sync = max(1, redraft.every // block)
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
                                      max_new_tokens=shape.max_new_tokens,
-                                     steps_per_sync=max(1, stream_every // 2) if speculative else stream_every,
+                                     steps_per_sync=steps_per_sync,
                                      insert_rows=batch),
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
