@@ -8,7 +8,16 @@ decode tokens/s (the prefill timed apart: at long context it dominates a short a
 prefill time, as medians over tasks, and the ratio to AR measured side by side, tau, whether every output
 equals AR's, retrieval time, index build time, and each method's answer accuracy.
 
-    python experiments/long_context_rapid.py --contexts 2048,4096,8192 --per-task 2 --json runs/rapid.json
+Each method's step is split into its draft and verify parts by the shares of the two passes timed
+alone at the same shapes (the steps themselves are fused). A method named rapid@ETA runs rapid with knowledge transfer at that eta
+(lossy): the accuracy table compares the target alone (ar) with it.
+
+    python experiments/long_context_rapid.py --contexts 2048,4096,7936 --per-task 2 --json runs/rapid.json
+    python experiments/long_context_rapid.py --contexts 2048 --per-task 4 --methods ar,rapid@5,rapid@20 \
+        --json runs/rapid_eta.json
+
+SmolLM2's window is 8,192 tokens in all, so its "8k" documents hold 7,936 tokens, leaving room for the
+question, the chat template and the answer.
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ def main() -> int:
     parser.add_argument("--per-task", type=int, default=2, help="tasks of each kind per context length")
     parser.add_argument("--tasks", default="verse,speaker,needle")
     parser.add_argument("--methods", default="ar,chain,windowed,rapid,rapid+block",
-                        help="ar, chain, windowed (chain with a windowed drafter, --window), rapid and rapid+block")
+                        help="ar, chain, windowed (chain with a windowed drafter, --window), rapid, rapid+block, "
+                             "rapid@ETA (rapid with knowledge transfer at eta ETA, lossy), and rapid+redraft or "
+                             "rapid+block+redraft (re-retrieving every --redraft-every tokens)")
+    parser.add_argument("--redraft-every", type=int, default=16,
+                        help="the +redraft methods retrieve again every this many generated tokens")
     parser.add_argument("--window", type=int, default=256, help="the windowed drafter's raw window")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rapid-drafts", type=int, default=4)
@@ -41,7 +54,7 @@ def main() -> int:
     from tqdm.auto import tqdm
 
     from specjax.data.longbench import build_tasks, is_correct
-    from specjax.data.retrieval import IndexCache, RetrievalConfig, long_context_prompt
+    from specjax.data.retrieval import IndexCache, RetrievalConfig, long_context_prompt, redrafting
     from specjax.decode.engine import Engine
     from specjax.decode.rapid import RapidConfig
     from specjax.io.encoder import load_sentence_encoder
@@ -60,6 +73,7 @@ def main() -> int:
     methods = args.methods.split(",")
     cache = IndexCache()
     rows = []
+    warm = set()  # (method, prompt bucket, drafting bucket): tasks of one shape share compiled programs
     for context in [int(c) for c in args.contexts.split(",")]:
         tasks = build_tasks(model.tokenizer, context, args.per_task, args.seed, args.tasks.split(","))
         for task in tqdm(tasks, desc=f"{context} tokens", file=sys.stderr):
@@ -68,36 +82,65 @@ def main() -> int:
                    "prompt_tokens": len(prompt.full), **prompt.summary(config)}
             for method in methods:
                 options = {}
-                if method == "rapid":
-                    options = dict(retrieval_prompts=[prompt.drafting], rapid=RapidConfig(args.rapid_drafts))
-                elif method == "rapid+block":
+                base, _, eta = method.removesuffix("+redraft").partition("@")
+                if base == "rapid":
+                    options = dict(retrieval_prompts=[prompt.drafting],
+                                   rapid=RapidConfig(args.rapid_drafts, eta=float(eta or 0)))
+                elif base == "rapid+block":
                     options = dict(retrieval_prompts=[prompt.drafting])
+                if method.endswith("+redraft"):
+                    options["redraft"] = redrafting(model.tokenizer, task.context, task.question, config,
+                                                    args.redraft_every, cache, encoder)
                 runner = engines.get(method, engine)
-                decode_method = "chain" if method == "windowed" else method
-                runner.generate([prompt.full], args.max_new_tokens, method=decode_method, **options)  # compile, warm
+                decode_method = "chain" if method == "windowed" else base
+                shape = (method, -(-len(prompt.full) // 512), -(-len(prompt.drafting) // 512))
+                if shape not in warm:  # compile and warm once per shape
+                    runner.generate([prompt.full], args.max_new_tokens, method=decode_method, **options)
+                    warm.add(shape)
                 started = time.perf_counter()
                 out = runner.generate([prompt.full], args.max_new_tokens, method=decode_method, **options)
                 text = model.tokenizer.decode(out.tokens[0])
-                row[method] = {"tokens_per_s": out.stats["decode_tokens_per_s"], "prefill_s": out.stats["prefill_s"],
-                               "tau": out.stats.get("tau"),
+                stats = out.stats
+                steps = stats.get("verify_steps") or len(out.tokens[0]) - 1  # AR: one step per token after the first
+                decode_s = (len(out.tokens[0]) - 1) / max(stats["decode_tokens_per_s"], 1e-9)
+                step_ms = 1e3 * decode_s / max(steps, 1)
+                # The steps are fused: split the measured step by the draft and verify passes' shares,
+                # each pass timed alone (alone, each call also pays what a fused loop hoists out of it).
+                draft_share = (stats["draft_s"] / (stats["draft_s"] + stats["verify_s"])
+                               if "draft_s" in stats else None)
+                row[method] = {"tokens_per_s": stats["decode_tokens_per_s"], "prefill_s": stats["prefill_s"],
+                               "tau": stats.get("tau"), "steps": steps, "step_ms": step_ms,
+                               "draft_ms": None if draft_share is None else step_ms * draft_share,
+                               "verify_ms": None if draft_share is None else step_ms * (1 - draft_share),
+                               "lossy": "lossy" in stats, "redrafts": stats.get("redrafts"),
+                               "redraft_s": stats.get("redraft_s"),
                                "tokens": out.tokens[0], "correct": is_correct(task, text), "text": text,
                                "call_s": time.perf_counter() - started}
             for method in methods:
                 row[method]["identical_to_ar"] = row[method]["tokens"] == row["ar"]["tokens"]
                 row[method]["speedup_vs_ar"] = row[method]["tokens_per_s"] / row["ar"]["tokens_per_s"]
             rows.append(row)
+            save(args, rows)  # after every task: a stopped run keeps what it measured
             print(json.dumps({k: v for k, v in row.items() if k not in methods}
                              | {m: {k: row[m][k] for k in ("tokens_per_s", "tau", "correct", "identical_to_ar")}
                                 for m in methods}), file=sys.stderr, flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    save(args, rows)
     print(summary(rows, methods))
+    print()
+    print(accuracy_table(rows, methods))
     return 0
 
 
+def save(args, rows: list[dict]) -> None:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
 def summary(rows: list[dict], methods: list[str]) -> str:
-    lines = ["| context | method | decode tok/s | vs AR | prefill s | tau | identical to AR | accuracy |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | method | decode tok/s | vs AR | prefill s | tau | step ms (draft + verify) | "
+             "identical to AR | accuracy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ms = lambda group, m, key: statistics.median(r[m][key] for r in group)  # noqa: E731
     for context in sorted({r["context"] for r in rows}):
         group = [r for r in rows if r["context"] == context]
         for m in methods:
@@ -107,13 +150,33 @@ def summary(rows: list[dict], methods: list[str]) -> str:
             tau = f"{statistics.median(taus):.2f}" if taus else "-"
             same, right = sum(r[m]["identical_to_ar"] for r in group), sum(r[m]["correct"] for r in group)
             prefill = statistics.median(r[m]["prefill_s"] for r in group)
-            lines.append(f"| {context} | {m} | {tps:.1f} | {ratio:.2f}x | {prefill:.1f} | {tau} | {same}/{len(group)} | "
-                         f"{right}/{len(group)} |")
+            step = f"{ms(group, m, 'step_ms'):.0f}"
+            if group[0][m].get("draft_ms") is not None:
+                step += f" ({ms(group, m, 'draft_ms'):.0f} + {ms(group, m, 'verify_ms'):.0f})"
+            name = f"{m} (lossy)" if group[0][m].get("lossy") else m
+            if group[0][m].get("redrafts") is not None:
+                name += (f" ({statistics.median(r[m]['redrafts'] for r in group):g} re-retrievals, "
+                         f"{statistics.median(r[m]['redraft_s'] for r in group) * 1e3:.0f} ms)")
+            lines.append(f"| {context} | {name} | {tps:.1f} | {ratio:.2f}x | {prefill:.1f} | {tau} | {step} | "
+                         f"{same}/{len(group)} | {right}/{len(group)} |")
         retrieval = [r["retrieval_s"] for r in group if "retrieval_s" in r]
         builds = [r["index_build_s"] for r in group if r.get("index_build_s")]
         if retrieval:
             lines.append(f"| {context} | (retrieval) | median {statistics.median(retrieval) * 1e3:.0f} ms per query, "
-                         f"index build {statistics.median(builds):.2f} s | | | | | |")
+                         f"index build {statistics.median(builds):.2f} s | | | | | | |")
+    return "\n".join(lines)
+
+
+def accuracy_table(rows: list[dict], methods: list[str]) -> str:
+    """Answers right per task kind and method, over every context length."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    lines = ["| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for m in methods:
+        cells = []
+        for task in tasks:
+            group = [r for r in rows if r["task"] == task]
+            cells.append(f"{sum(r[m]['correct'] for r in group)}/{len(group)}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
