@@ -1,0 +1,134 @@
+"""The notebooks of experiments/notebooks/ execute at a CI size and print sound key numbers.
+
+Each notebook is a jupytext percent-format .py file (the .ipynb beside it is generated from it). The
+check reads the .py, puts a cell of small sizes after the cell tagged `parameters` (papermill's
+convention), runs every cell in a fresh kernel with nbclient, and then reads the summary line the
+notebook prints last: a cell that raises, a missing or non-finite number, or a failed expectation
+fails the test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+from specjax.notebook import non_finite, read_summary  # noqa: E402
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "experiments" / "notebooks"
+
+
+def execute(path: Path, parameters: dict, timeout: int = 900):
+    """Run a percent-format notebook with `parameters` injected after its parameters cell, in the
+    notebook's folder. Returns the executed notebook; raises nbclient's CellExecutionError."""
+    notebook = jupytext.read(path)
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{path.name} needs exactly one cell tagged parameters, found {len(tagged)}"
+    unknown = set(parameters) - set(_assigned_names(notebook.cells[tagged[0]].source))
+    assert not unknown, f"{path.name}'s parameters cell has no {sorted(unknown)}"
+    injected = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(injected, metadata={"tags": ["injected-parameters"]}))
+    client = nbclient.NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    return notebook
+
+
+def _assigned_names(source: str) -> list[str]:
+    import ast
+
+    return [t.id for node in ast.parse(source).body if isinstance(node, ast.Assign) for t in node.targets
+            if isinstance(t, ast.Name)]
+
+
+def printed(notebook) -> str:
+    return "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                   for out in cell.get("outputs", []) if out.get("output_type") == "stream" and out.get("name") == "stdout")
+
+
+def figures(notebook) -> int:
+    return sum("image/png" in out.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
+               for out in cell.get("outputs", []))
+
+
+def check_summary(name: str, numbers: dict) -> None:
+    bad = non_finite(numbers)
+    assert not bad, f"{name} printed non-finite numbers: {bad}"
+    for key, expect in EXPECTATIONS[name].items():
+        assert key in numbers, f"{name} printed no {key!r}"
+        assert expect(numbers[key]), f"{name}: {key} = {numbers[key]!r} fails its expectation"
+
+
+def _fraction(x) -> bool:
+    return 0.0 <= x <= 1.0
+
+
+def _fractions(xs) -> bool:
+    return len(xs) > 0 and all(_fraction(x) for x in xs)
+
+
+CI_SIZES = {
+    "01_block_diffusion_drafting": dict(PROMPTS=1, MAX_NEW_TOKENS=24),
+}
+
+EXPECTATIONS = {
+    "01_block_diffusion_drafting": dict(
+        tau=lambda t: t >= 1.0, speedup_vs_ar=lambda s: s > 0, identical_to_ar=lambda same: same is True,
+        ar_tokens_per_s=lambda s: s > 0, chain_tokens_per_s=lambda s: s > 0,
+        per_position_acceptance=_fractions, best_block_accepted=lambda n: n >= 0),
+}
+
+SLOW = {"01_block_diffusion_drafting"}
+
+
+def _notebook_params():
+    names = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+@pytest.mark.parametrize("name", _notebook_params())
+def test_notebook_executes_at_ci_size(name):
+    notebook = execute(NOTEBOOKS / f"{name}.py", CI_SIZES[name])
+    check_summary(name, read_summary(printed(notebook)))
+    assert figures(notebook) >= 1, f"{name} drew no figure"
+
+
+def test_every_notebook_has_a_ci_size_and_a_check():
+    names = {p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.py")}
+    assert names, "no notebooks found"
+    assert names == set(CI_SIZES) == set(EXPECTATIONS)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.py")))
+def test_generated_ipynb_matches_its_source(name):
+    """The committed .ipynb (what Colab opens) has the .py's cells; regenerate with
+    `jupytext --to ipynb experiments/notebooks/[0-9]*.py`."""
+    ipynb = NOTEBOOKS / f"{name}.ipynb"
+    assert ipynb.exists(), f"{ipynb.name} is missing; run jupytext --to ipynb {name}.py"
+    source = jupytext.read(NOTEBOOKS / f"{name}.py")
+    generated = nbformat.read(ipynb, as_version=4)
+    assert [(c.cell_type, c.source) for c in generated.cells] == [(c.cell_type, c.source) for c in source.cells]
+    assert not any(c.get("outputs") for c in generated.cells if c.cell_type == "code"), "commit it without outputs"
+
+
+def test_a_broken_notebook_fails_the_check(tmp_path):
+    """A copy of a notebook whose cell raises fails execution, and a summary with a NaN fails the
+    check: the test above can fail."""
+    name = "01_block_diffusion_drafting"
+    source = jupytext.read(NOTEBOOKS / f"{name}.py")
+    tagged = next(i for i, c in enumerate(source.cells) if "parameters" in c.metadata.get("tags", []))
+    broken = nbformat.v4.new_notebook(cells=source.cells[: tagged + 1] + [
+        nbformat.v4.new_code_cell("raise RuntimeError('deliberately broken')")], metadata=source.metadata)
+    copy = tmp_path / f"{name}.py"
+    jupytext.write(broken, copy)
+    shutil.copy(copy, tmp_path / "copy.py")
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="deliberately broken"):
+        execute(tmp_path / "copy.py", {})
+    with_nan = {key: 1.0 for key in EXPECTATIONS[name]} | {"tau": float("nan")}
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_summary(name, json.loads(json.dumps(with_nan)))
