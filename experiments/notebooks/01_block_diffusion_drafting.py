@@ -86,7 +86,7 @@ plt.show()
 # %% [markdown]
 # ## One verified block
 # Greedy speculation drafts from exactly the context AR decoding has, so we can replay it: for
-# every position along prompt 0's answer, the drafter proposes the block that follows, and we
+# every position along the longest answer, the drafter proposes the block that follows, and we
 # compare it with the tokens the target decoded there. A verify step accepts the drafts up to the
 # first disagreement (green), then commits the target's own token (red slot). Below is the block
 # with the most accepted drafts.
