@@ -74,6 +74,8 @@ def _fractions(xs) -> bool:
 
 CI_SIZES = {
     "01_block_diffusion_drafting": dict(PROMPTS=1, MAX_NEW_TOKENS=24),
+    "02_causal_refiner": dict(PROMPTS=1, MAX_NEW_TOKENS=24, REFINE_PASSES=(1,)),
+    "03_budget_aware_trees": dict(PROMPTS=1, MAX_NEW_TOKENS=24, FIXED_SIZES=(2, 4), AUTO_BUCKETS=(1, 2, 4)),
 }
 
 EXPECTATIONS = {
@@ -81,9 +83,18 @@ EXPECTATIONS = {
         tau=lambda t: t >= 1.0, speedup_vs_ar=lambda s: s > 0, identical_to_ar=lambda same: same is True,
         ar_tokens_per_s=lambda s: s > 0, chain_tokens_per_s=lambda s: s > 0,
         per_position_acceptance=_fractions, best_block_accepted=lambda n: n >= 0),
+    "02_causal_refiner": dict(
+        chain_tau=lambda t: t >= 1.0, refined_tau=lambda t: t >= 1.0, chain_identical_to_ar=lambda same: same is True,
+        refined_identical_to_ar=lambda same: same is True, chain_acceptance=_fractions,
+        refined_acceptance=_fractions, refine_passes=lambda n: 0 < n <= 1, refined_speedup_vs_ar=lambda s: s > 0),
+    "03_budget_aware_trees": dict(
+        auto_tau=lambda t: t >= 1.0, auto_speedup_vs_ar=lambda s: s > 0, auto_nodes_chosen=lambda n: 1 <= n <= 4,
+        verify_sizes=lambda s: s == [1, 2, 4], verify_ms=lambda ms: len(ms) == 3 and all(m > 0 for m in ms),
+        fixed_tau=lambda ts: len(ts) == 2 and all(t >= 1.0 for t in ts),
+        fixed_speedup_vs_ar=lambda ss: all(s > 0 for s in ss), identical_to_ar=lambda same: same is True),
 }
 
-SLOW = {"01_block_diffusion_drafting"}
+SLOW = {"01_block_diffusion_drafting", "02_causal_refiner", "03_budget_aware_trees"}
 
 
 def _notebook_params():
