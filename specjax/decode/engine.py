@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig, refine_drafts
@@ -26,6 +28,7 @@ from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
+from specjax.sharding import shard_parameters, shard_state
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
@@ -93,9 +96,20 @@ class Engine:
     """Decodes with one model; keeps compiled executables between calls."""
 
     def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, prompt_bucket: int = 32,
-                 refiner: LoadedRefiner | None = None, latency_cache: Path | None | bool = True):
+                 refiner: LoadedRefiner | None = None, latency_cache: Path | None | bool = True,
+                 mesh: Mesh | None = None):
         """latency_cache: where measured tree-verification latencies are kept between processes
-        (True: $SPECJAX_CACHE/latency; False: measure in every new Engine and keep in memory)."""
+        (True: $SPECJAX_CACHE/latency; False: measure in every new Engine and keep in memory).
+        mesh: decode over these devices (specjax/sharding.py): the weights are placed by the
+        sharding rules (tensor-parallel over `model`, sliced over `fsdp`), the batch is split over
+        `data` and `fsdp`, and GSPMD partitions the same programs; output is the one-device output."""
+        if mesh is not None:
+            model = dataclasses.replace(model, params=shard_parameters(model.params, mesh))
+            if drafter is not None:
+                drafter = dataclasses.replace(drafter, params=shard_parameters(drafter.params, mesh))
+            if refiner is not None:
+                refiner = dataclasses.replace(refiner, params=shard_parameters(refiner.params, mesh))
+        self.mesh = mesh
         self.model = model
         self.drafter = drafter
         self.refiner = refiner
@@ -248,7 +262,7 @@ class Engine:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        args = (self.model.params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed))
+        args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
         if spec.needs_drafter and shape.denoise_steps > 1:  # several denoising passes: the chain's own loop
             return self._with_precision(self._generate_chain(shape, args))
         retrieval = None
@@ -256,10 +270,14 @@ class Engine:
             padded = np.zeros((len(prompts), retrieval_bucket), np.int32)
             for i, p in enumerate(retrieval_prompts):
                 padded[i, : len(p)] = p
-            retrieval = (jnp.asarray(padded), jnp.asarray([len(p) for p in retrieval_prompts], jnp.int32))
+            retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in retrieval_prompts], np.int32)))
         if shape.sync_every:
             stream_every = shape.sync_every
         return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every, retrieval, redraft))
+
+    def _placed(self, batch_major: np.ndarray) -> jax.Array:
+        """A batch-major input on the device, split over the mesh's data axes when there is one."""
+        return jnp.asarray(batch_major) if self.mesh is None else shard_state(jnp.asarray(batch_major), self.mesh)
 
     @property
     def precision(self) -> dict:
@@ -361,13 +379,26 @@ class Engine:
             retrieval_prompts=None if retrieval is None else retrieval[0],
             retrieval_prompt_lengths=None if retrieval is None else retrieval[1])
         state = slot_api.empty_slots(statics)
+        if self.mesh is not None:
+            state, request = shard_state(state, self.mesh), shard_state(request, self.mesh)
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
-            run = (slot_api.step.lower(parts, state, method=shape.method, statics=statics) if shape.streaming else
-                   slot_api.run_to_end.lower(parts, state, method=shape.method, statics=statics))
-            self._compiled[shape] = (slot_api.insert.lower(parts, state, request, statics=statics).compile(),
-                                     run.compile())
+            if self.mesh is None:
+                run = (slot_api.step.lower(parts, state, method=shape.method, statics=statics) if shape.streaming else
+                       slot_api.run_to_end.lower(parts, state, method=shape.method, statics=statics))
+                self._compiled[shape] = (slot_api.insert.lower(parts, state, request, statics=statics).compile(),
+                                         run.compile())
+            else:
+                # Every call leaves the state where it found it, so the compiled loop takes the
+                # insert's output and its own (GSPMD would otherwise pick each output's layout).
+                placed = jax.tree.map(lambda a: a.sharding, state)
+                loop = slot_api.step if shape.streaming else slot_api.run_to_end
+                insert_fn = jax.jit(partial(slot_api.insert, statics=statics), out_shardings=placed, donate_argnums=1)
+                run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), out_shardings=placed,
+                                 donate_argnums=1)
+                self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
+                                         run_fn.lower(parts, state).compile())
             compile_s = time.perf_counter() - start
         insert, run = self._compiled[shape]
         start = time.perf_counter()

@@ -129,8 +129,11 @@ def top_candidates(logits, sampling: SamplingConfig, k: int):
     k = min(k, logits.shape[-1])
     # Without the barrier XLA fuses the log-softmax over the whole draft vocabulary into each
     # consumer of the candidates (every pop of the best-first loop) and recomputes it there: about
-    # 50 ms instead of 1 ms per tree for SmolLM2 on CPU.
-    return jax.lax.optimization_barrier(jax.lax.top_k(log_probs, k))
+    # 50 ms instead of 1 ms per tree for SmolLM2 on CPU. One barrier per array: XLA's SPMD
+    # partitioner fails a check on a barrier over the (values, indices) tuple when the vocabulary
+    # is split over devices.
+    values, indices = jax.lax.top_k(log_probs, k)
+    return jax.lax.optimization_barrier(values), jax.lax.optimization_barrier(indices)
 
 
 def best_first_tree(root_token, cand_log_probs, cand_tokens, num_nodes: int) -> DraftTree:

@@ -1,0 +1,210 @@
+"""One mesh description for a run, and where every parameter and batch lives on it.
+
+A run names its device mesh once (`--mesh data=2,fsdp=2,model=2`): three named axes whose sizes
+multiply to the device count. Parameters are placed by logical axis rules, in the style of
+levanter's and maxtext's: every weight kind names its dimensions logically (vocab, embed, heads,
+mlp), and one table maps each logical name to a mesh axis. GSPMD then partitions the jitted
+programs from those placements, so the decode and training code stays the single-device code.
+
+- `model` splits attention heads and MLP features (tensor parallelism, Megatron's layout: column
+  split into a layer, row split out of it, one reduction per block).
+- `fsdp` splits the embedding dimension of every weight (ZeRO-3 style: each device keeps a slice of
+  the weights and of the optimizer state, gathered when used) and, with `data`, the batch.
+- `data` replicates the weights and splits the batch.
+
+A dimension the mesh axis does not divide stays whole on that axis (replicated), which is always
+correct and only costs memory; `describe_placement` says where that happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.errors import SpecjaxError
+
+MESH_AXES = ("data", "fsdp", "model")
+"""The mesh's axis names, outermost first: `data` spans the slowest links (hosts), `model` the
+fastest (the devices of one host), since tensor parallelism communicates in every layer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the three mesh axes; their product is the number of devices used."""
+
+    data: int = 1
+    """Data parallelism: weights replicated, batch split."""
+    fsdp: int = 1
+    """Fully sharded data parallelism: weights and optimizer state split along the embedding
+    dimension, batch split."""
+    model: int = 1
+    """Tensor parallelism: heads, MLP features and the vocabulary split."""
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise SpecjaxError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "MeshConfig":
+        """`--mesh`: "data=2,fsdp=2,model=2" (axes left out are 1); empty or None: one device."""
+        if not text:
+            return cls()
+        sizes = {}
+        for part in text.split(","):
+            name, sep, value = part.strip().partition("=")
+            if not sep or name not in MESH_AXES:
+                raise SpecjaxError(f"--mesh takes axis=size pairs over {', '.join(MESH_AXES)}, "
+                                   f"e.g. data=2,model=4; got {part.strip()!r}")
+            if name in sizes:
+                raise SpecjaxError(f"--mesh names axis {name} twice")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise SpecjaxError(f"--mesh axis {name} needs an integer size, got {value!r}") from None
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def __str__(self) -> str:
+        return ",".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+
+    def build(self, devices=None) -> Mesh:
+        """The jax Mesh over `devices` (default: every device of every process), which must number
+        exactly `size`."""
+        devices = jax.devices() if devices is None else list(devices)
+        if len(devices) != self.size:
+            raise SpecjaxError(f"mesh {self} needs {self.size} devices, but {len(devices)} are available "
+                               f"({devices[0].platform}); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                               f"makes N devices")
+        return Mesh(np.asarray(devices, dtype=object).reshape(self.shape), MESH_AXES)
+
+
+LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "vocab": ("model",),
+    "embed": ("fsdp",),
+    "heads": ("model",),
+    "mlp": ("model",),
+}
+"""Logical dimension -> the mesh axes that split it. Names not listed (and None) are replicated."""
+
+PARAMETER_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    # Target and drafter (the drafter's layers use the target's names).
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+    (r"(q_proj|k_proj|v_proj)/kernel$", ("embed", "heads")),
+    (r"(q_proj|k_proj|v_proj)/bias$", ("heads",)),
+    (r"o_proj/kernel$", ("heads", "embed")),
+    (r"(gate_proj|up_proj)/kernel$", ("embed", "mlp")),
+    (r"down_proj/kernel$", ("mlp", "embed")),
+    # Drafter: fc mixes the tapped target layers into one hidden state; anchor_proj maps the anchor
+    # token's embedding in. Both produce the embedding dimension.
+    (r"(^|/)fc/kernel$", (None, "embed")),
+    (r"anchor_proj/kernel$", (None, "embed")),
+    (r"slot_embedding$", (None, "embed")),
+    # Refiners and compressors are small (about 1% of a drafter): kept whole on every device.
+    (r"(scale|bias|mask_embedding)$", (None,)),
+)
+"""Parameter path (keys joined by "/") -> logical names of its dimensions, first match wins.
+A leaf no rule matches is replicated."""
+
+
+def _path_string(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical names of a parameter's dimensions (None: replicated)."""
+    for pattern, axes in PARAMETER_AXES:
+        if re.search(pattern, path):
+            return tuple(axes[:ndim]) + (None,) * max(0, ndim - len(axes))
+    return (None,) * ndim
+
+
+def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes, leaving whole any dimension its mesh
+    axes do not divide (and any mesh axis already used by an earlier dimension)."""
+    used: set[str] = set()
+    entries = []
+    for size, name in zip(shape, axes):
+        mesh_axes = tuple(a for a in LOGICAL_AXIS_RULES.get(name, ()) if a not in used and mesh_shape.get(a, 1) > 1)
+        split = int(np.prod([mesh_shape[a] for a in mesh_axes])) if mesh_axes else 1
+        if not mesh_axes or size % split:
+            entries.append(None)
+            continue
+        used.update(mesh_axes)
+        entries.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*entries)
+
+
+def parameter_specs(params, mesh: Mesh) -> Any:
+    """A PartitionSpec per parameter leaf, from PARAMETER_AXES and LOGICAL_AXIS_RULES."""
+    mesh_shape = dict(mesh.shape)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: spec_for(tuple(leaf.shape), logical_axes(_path_string(path), leaf.ndim), mesh_shape),
+        params)
+
+
+def shard_parameters(params, mesh: Mesh):
+    """params placed on the mesh by the rules (works on abstract ShapeDtypeStructs too: it then
+    returns them with their shardings attached)."""
+    specs = parameter_specs(params, mesh)
+
+    def place(leaf, spec):
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree.map(place, params, specs)
+
+
+def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """A decode state leaf's spec: batch-major (slots or rows first) over data and fsdp; KV caches
+    ([B, S, K, D], under a path naming a cache) also split their K heads over model, as the
+    attention weights that write them are."""
+    axes = ("batch",) + (None,) * (len(shape) - 1)
+    if len(shape) == 4 and "cache" in path:
+        axes = ("batch", None, "heads", None)
+    return spec_for(tuple(shape), axes[: len(shape)], dict(mesh.shape))
+
+
+def shard_state(tree, mesh: Mesh):
+    """A decode state (every leaf batch-major, scalars replicated) placed on the mesh by state_spec."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, state_spec(_path_string(path), np.shape(leaf), mesh))),
+        tree)
+
+
+def describe_placement(params, mesh: Mesh) -> list[dict]:
+    """Per parameter: its path, shape, spec and bytes per device, with the dimensions a rule wanted
+    split but the mesh axis did not divide (kept whole)."""
+    mesh_shape = dict(mesh.shape)
+    rows = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = _path_string(path)
+        axes = logical_axes(name, leaf.ndim)
+        spec = spec_for(tuple(leaf.shape), axes, mesh_shape)
+        split = 1
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                split *= mesh_shape[axis]
+        wanted = [f"{name_}({size})" for size, name_, entry in zip(leaf.shape, axes, spec)
+                  if entry is None and any(mesh_shape.get(a, 1) > 1 for a in LOGICAL_AXIS_RULES.get(name_, ()))]
+        rows.append({"path": name, "shape": tuple(leaf.shape), "spec": spec,
+                     "bytes_per_device": int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize // split,
+                     "kept_whole": wanted})
+    return rows

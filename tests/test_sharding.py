@@ -1,0 +1,96 @@
+"""Meshes and sharding rules (specjax/sharding.py): placement on abstract shapes in-process, and
+decoding on 8 forced CPU devices in a child process against the one-device output."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from specjax.errors import SpecjaxError
+from specjax.sharding import MeshConfig, logical_axes, spec_for
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_mesh_flag_parses_and_rejects_bad_input():
+    assert MeshConfig.parse("data=2,fsdp=2,model=2") == MeshConfig(2, 2, 2)
+    assert MeshConfig.parse("model=4") == MeshConfig(model=4)
+    assert MeshConfig.parse("") == MeshConfig() and MeshConfig().size == 1
+    assert str(MeshConfig.parse("model=4,data=2")) == "data=2,fsdp=1,model=4"
+    for bad, message in [("tensor=2", "axis=size"), ("model=two", "integer"), ("model=0", "positive"),
+                         ("model=2,model=2", "twice"), ("model", "axis=size")]:
+        with pytest.raises(SpecjaxError, match=message):
+            MeshConfig.parse(bad)
+    with pytest.raises(SpecjaxError, match="needs 4 devices"):
+        MeshConfig(model=4).build(jax.devices()[:1])
+
+
+def test_rules_follow_the_megatron_layout_and_keep_indivisible_dimensions_whole():
+    mesh = {"data": 2, "fsdp": 2, "model": 2}
+    rule = lambda path, shape: spec_for(shape, logical_axes(path, len(shape)), mesh)  # noqa: E731
+    assert rule("layers_0/self_attn/q_proj/kernel", (576, 576)) == P("fsdp", "model")  # column split in
+    assert rule("layers_0/self_attn/o_proj/kernel", (576, 576)) == P("model", "fsdp")  # row split out
+    assert rule("layers_0/mlp/down_proj/kernel", (1536, 576)) == P("model", "fsdp")
+    assert rule("embed_tokens/embedding", (49152, 576)) == P("model", "fsdp")
+    assert rule("layers_0/input_layernorm/scale", (576,)) == P(None)
+    assert rule("layers_0/self_attn/k_proj/kernel", (576, 3)) == P("fsdp", None)  # 3 heads: not over 2
+    assert rule("mixer/GRUCell_0/hn/kernel", (128, 128)) == P(None, None)  # unlisted: replicated
+    # The batch takes data and fsdp together, or neither when they do not divide it.
+    assert spec_for((8, 16), ("batch", None), mesh) == P(("data", "fsdp"), None)
+    assert spec_for((6, 16), ("batch", None), mesh) == P(None, None)
+
+
+@pytest.fixture(scope="module")
+def job(target, drafter, tmp_path_factory):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, target.config.vocab_size, size=n).tolist() for n in (3, 5, 7, 4)]
+    path = tmp_path_factory.mktemp("sharded") / "job.pkl"
+    job = {"target": (target.config, jax.device_get(target.params)),
+           "drafter": (drafter.config, jax.device_get(drafter.params), drafter.num_target_layers),
+           "eos": list(target.eos_token_ids), "prompts": prompts, "max_new_tokens": 16, "tree_budget": 4}
+    return path, job
+
+
+def _run_child(path: Path, job: dict, meshes, methods) -> dict:
+    with open(path, "wb") as f:
+        pickle.dump({**job, "meshes": list(meshes), "methods": list(methods)}, f)
+    done = subprocess.run([sys.executable, str(HERE / "sharded_decode.py"), str(path)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 8
+    return result["outputs"]
+
+
+def _one_device(target, drafter, job, methods) -> dict:
+    from specjax.decode.engine import Engine
+    from specjax.decode.tree import TreeConfig
+
+    engine = Engine(target, drafter, latency_cache=False)
+    return {m: engine.generate(job["prompts"], job["max_new_tokens"], method=m,
+                               **({"tree": TreeConfig(budget=job["tree_budget"])} if m == "tree" else {})).tokens
+            for m in methods}
+
+
+@pytest.mark.parametrize("meshes", [("data=2,fsdp=2,model=2",),
+                                    pytest.param(("model=8", "data=4,model=2", "fsdp=8"), marks=pytest.mark.slow)],
+                         ids=["dp-fsdp-tp", "more-meshes"])
+def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, meshes):
+    methods = ("ar", "chain", "tree")
+    reference = _one_device(target, drafter, job[1], methods)
+    assert reference["chain"] == reference["ar"] == reference["tree"]
+    outputs = _run_child(*job, meshes, methods)
+    rows, cols = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"].shape
+    for mesh in meshes:
+        config = MeshConfig.parse(mesh)  # q_proj is [embed / fsdp, heads / model] on each device
+        assert outputs[mesh]["q_proj_shard"] == [rows // config.fsdp, cols // config.model], mesh
+        for method in methods:
+            assert outputs[mesh][method] == reference[method], (mesh, method)
