@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.sharding import shard_parameters, shard_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,12 +153,18 @@ def train(
     optimizer: OptimizerConfig = OptimizerConfig(),
     loop: LoopConfig = LoopConfig(),
     eval_fn: Callable[[Any], dict[str, float]] | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[Any, list[float]]:
     """Train `init_params` to minimise loss_fn(params, batch, rng) -> (loss, aux metrics).
 
     batch_fn(step) must be a pure function of the step so that resuming is exact. Resumes
     automatically from the latest checkpoint in out_dir/checkpoints. Returns (params, losses of the
     steps run in this call).
+
+    mesh: train over these devices (specjax/sharding.py): parameters and optimizer moments are
+    placed by the sharding rules (FSDP slices over `fsdp`, tensor-parallel splits over `model`),
+    each batch is split over `data` and `fsdp`, and checkpoints are written and read sharded, so a
+    run resumes on a mesh of another shape.
     """
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
@@ -166,6 +174,8 @@ def train(
     tx = make_optimizer(optimizer)
     schedule = make_schedule(optimizer)
     state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
+    if mesh is not None:  # moments follow their parameters' rules (same paths); the step is replicated
+        state = shard_parameters(state, mesh)
 
     manager = ocp.CheckpointManager(
         out_dir / "checkpoints",
@@ -174,6 +184,8 @@ def train(
     start = 0
     if manager.latest_step() is not None:
         start = int(manager.latest_step())
+        # The abstract state carries this run's shardings, so orbax reads each array onto the
+        # current mesh whatever mesh wrote it.
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_dict(state))
         try:
             restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
@@ -192,7 +204,12 @@ def train(
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     # Donating the old state lets XLA update params and moments in place.
-    train_step = jax.jit(train_step, donate_argnums=(0,))
+    if mesh is None:
+        train_step = jax.jit(train_step, donate_argnums=(0,))
+    else:  # the state keeps its placement from step to step
+        placed = jax.tree.map(lambda a: a.sharding, state)
+        train_step = jax.jit(train_step, donate_argnums=(0,), out_shardings=(placed, None))
+        batch_fn = _placed_batches(batch_fn, mesh)
 
     writer = MetricsWriter(out_dir, resume_step=start)
     base_key = jax.random.key(loop.seed)
@@ -225,6 +242,11 @@ def train(
         writer.close()
         manager.close()
     return state.params, losses
+
+
+def _placed_batches(batch_fn: Callable[[int], Any], mesh: Mesh) -> Callable[[int], Any]:
+    """batch_fn with every (batch-major) array split over the mesh's data axes."""
+    return lambda step: shard_state(batch_fn(step), mesh)
 
 
 def _as_dict(state: TrainState) -> dict:
