@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             printed[0] = text
 
-    result = Engine(model, parts.drafter, refiner=parts.refiner).generate(
+    result = Engine(model, parts.drafter, refiner=parts.refiner, mesh=_mesh(args)).generate(
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
         refine=_refine_config(args), tree=_tree_config(args),
@@ -420,7 +421,7 @@ def cmd_bench(args) -> int:
     else:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
-    engine = Engine(model, parts.drafter, refiner=parts.refiner)
+    engine = Engine(model, parts.drafter, refiner=parts.refiner, mesh=_mesh(args))
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
                        repeats=args.repeats, progress=not args.json, options=options)
     if long is not None:
@@ -640,7 +641,7 @@ def cmd_train_lm(args) -> int:
     optimizer = OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(100, args.steps // 10),
                                 total_steps=args.steps)
     loop = LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every)
+                      checkpoint_every=args.checkpoint_every, mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     train_docs, heldout_docs = load_split(tuple(args.corpus))
     summary = train_language_model([d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
@@ -660,7 +661,8 @@ def cmd_train_drafter(args) -> int:
                            seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
-                           init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype))
+                           init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
+                           mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
     if args.data_only:
@@ -678,7 +680,7 @@ def cmd_train_refiner(args) -> int:
                            corpus_sequences=args.corpus_sequences, everyday_prompts=args.everyday_prompts,
                            steps=args.steps,
                            learning_rate=args.learning_rate, drafted_input_rate=args.drafted_input_rate,
-                           seed=args.seed)
+                           seed=args.seed, mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
@@ -692,7 +694,7 @@ def cmd_train_compressor(args) -> int:
 
     recipe = CompressorRecipe(window=args.window, segment=args.segment, summaries=args.summaries, seq_len=args.seq_len,
                               sequences=args.sequences, steps=args.steps, learning_rate=args.learning_rate,
-                              seed=args.seed)
+                              seed=args.seed, mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_compressor_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
@@ -713,6 +715,63 @@ def _add_tree_options(parser) -> None:
                              "default 1..64 on CPU, 16..256 on GPU/TPU")
     parser.add_argument("--tree-top-k", type=int, default=16, help="candidate tokens per depth (best-first)")
     parser.add_argument("--tree-width", type=int, default=2, help="tokens per depth of the fixed-shape tree")
+
+
+def _add_mesh_options(parser) -> None:
+    parser.add_argument("--mesh", default="",
+                        help="devices to run over (specjax/sharding.py): axis=size pairs over data, fsdp and model, "
+                             "e.g. data=2,model=4; their product must be the device count (all processes'); "
+                             "default: one device")
+    parser.add_argument("--coordinator",
+                        help="multi-host runs: HOST:PORT of process 0 for jax.distributed "
+                             "(default $JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int,
+                        help="multi-host runs: processes in the run (default $JAX_NUM_PROCESSES)")
+    parser.add_argument("--process-id", type=int,
+                        help="multi-host runs: this process's index, 0 .. N-1 (default $JAX_PROCESS_ID)")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        raise SpecjaxError(f"${name} must be an integer, got {value!r}") from None
+
+
+def _start_processes(args) -> None:
+    """Join a multi-host run (jax.distributed) when a coordinator is given; before any computation."""
+    args.coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if args.num_processes is None:
+        args.num_processes = _env_int("JAX_NUM_PROCESSES")
+    if args.process_id is None:
+        args.process_id = _env_int("JAX_PROCESS_ID")
+    if not args.coordinator:
+        if args.num_processes not in (None, 1) or args.process_id not in (None, 0):
+            raise SpecjaxError("--num-processes and --process-id need --coordinator HOST:PORT")
+        return
+    if args.num_processes is None or args.process_id is None:
+        raise SpecjaxError("--coordinator needs --num-processes and --process-id (or $JAX_NUM_PROCESSES and "
+                           "$JAX_PROCESS_ID)")
+    if not 0 <= args.process_id < args.num_processes:
+        raise SpecjaxError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    import jax
+
+    # CPU devices of different processes talk through gloo; accelerators use their own collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def _mesh_config(args):
+    from specjax.sharding import MeshConfig
+
+    return MeshConfig.parse(args.mesh)
+
+
+def _mesh(args):
+    """The jax Mesh --mesh asks for, or None for one device."""
+    config = _mesh_config(args)
+    return config.build() if config.size > 1 else None
 
 
 def _add_dtype_option(parser) -> None:
@@ -807,6 +866,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     gen.add_argument("--no-chat", action="store_true", help="use --prompt text as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    _add_mesh_options(gen)
     gen.set_defaults(func=cmd_generate, parser=gen)
 
     bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
@@ -830,6 +890,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-chat", action="store_true")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    _add_mesh_options(bench)
     bench.set_defaults(func=cmd_bench, parser=bench)
 
     demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter (chain, refined chain, "
@@ -945,6 +1006,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--checkpoint-every", type=int, default=200)
     lm.add_argument("--seed", type=int, default=0)
     lm.add_argument("--json", action="store_true")
+    _add_mesh_options(lm)
     lm.set_defaults(func=cmd_train_lm)
 
     td = sub.add_parser("train-drafter", help="distil a block-diffusion drafter from a target (rerun to resume)")
@@ -973,6 +1035,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, default=0)
     td.add_argument("--data-only", action="store_true", help="stop after making the distillation data")
     td.add_argument("--json", action="store_true")
+    _add_mesh_options(td)
     td.set_defaults(func=cmd_train_drafter)
 
     tr = sub.add_parser("train-refiner", help="train a causal refiner for a frozen drafter (rerun to resume)")
@@ -992,6 +1055,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="scheduled sampling: final share of slots whose left token is the drafter's draft")
     tr.add_argument("--seed", type=int, default=1, help="data and init seed (differs from the drafter's by default)")
     tr.add_argument("--json", action="store_true")
+    _add_mesh_options(tr)
     tr.set_defaults(func=cmd_train_refiner)
 
     tc = sub.add_parser("train-compressor", help="train the segment compressor of windowed drafting for a frozen "
@@ -1008,6 +1072,7 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--learning-rate", type=float, default=3e-3)
     tc.add_argument("--seed", type=int, default=0)
     tc.add_argument("--json", action="store_true")
+    _add_mesh_options(tc)
     tc.set_defaults(func=cmd_train_compressor)
     return parser
 
@@ -1018,6 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "command", None) == "train-lm" and not args.corpus:
         args.corpus = ["shakespeare"]
     try:
+        if hasattr(args, "mesh"):
+            _start_processes(args)
+            _mesh(args)  # a mesh the devices cannot hold fails here, before any model loads
         return args.func(args)
     except SpecjaxError as e:
         print(f"specjax: error: {e}", file=sys.stderr)

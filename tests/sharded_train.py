@@ -37,11 +37,11 @@ def batch(step: int) -> np.ndarray:
 
 
 def run(out: Path, steps: int, mesh_text: str | None):
-    mesh = None if mesh_text is None else MeshConfig.parse(mesh_text).build()
+    mesh = MeshConfig.parse(mesh_text or "")
     loss = lambda params, b, rng: (next_token_loss(params, CONFIG, b), {})  # noqa: E731
     return train(loss, init_params(CONFIG, jax.random.key(0)), batch, out,
                  OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=STEPS),
-                 LoopConfig(steps=steps, log_every=1, eval_every=0, checkpoint_every=1, progress=False), mesh=mesh)
+                 LoopConfig(steps=steps, log_every=1, eval_every=0, checkpoint_every=1, progress=False, mesh=mesh))
 
 
 def main(out_dir: str, mesh_a: str, mesh_b: str) -> None:

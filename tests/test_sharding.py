@@ -4,6 +4,7 @@ decoding on 8 forced CPU devices in a child process against the one-device outpu
 from __future__ import annotations
 
 import json
+import re
 import pickle
 import subprocess
 import sys
@@ -109,3 +110,18 @@ def test_training_on_a_mesh_matches_one_device_and_resumes_on_another_mesh(tmp_p
     np.testing.assert_allclose(result["sharded"], result["single"], rtol=0, atol=1e-5)
     rows, cols = result["q_proj_shape"]
     assert result["q_proj_shard"] == [rows // 4, cols // 2]
+
+
+def test_cli_mesh_and_multi_host_flags_fail_clearly(capsys, tmp_path):
+    from specjax.cli import main
+
+    cases = [(["generate", "--prompt", "hi", "--mesh", "tensor=2"], "axis=size pairs"),
+             (["generate", "--prompt", "hi", "--mesh", "model=3"], "needs 3 devices"),
+             (["train-lm", "--out", str(tmp_path), "--num-processes", "2"], "need --coordinator"),
+             (["train-lm", "--out", str(tmp_path), "--coordinator", "127.0.0.1:1", "--num-processes", "2"],
+              "needs --num-processes and --process-id"),
+             (["bench", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+              r"--process-id must be in \[0, 2\)")]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert re.search(message, capsys.readouterr().err), argv

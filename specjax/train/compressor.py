@@ -20,6 +20,7 @@ import numpy as np
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig, DrafterWindow, init_compressor_params
+from specjax.sharding import MeshConfig
 from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, check_taps, drafter_loss, heldout_tau,
                                    label_index_for, sample_drafter_batch)
 
@@ -90,6 +91,9 @@ class CompressorRecipe:
     anchors_per_sequence: int = 32
     seed: int = 0
 
+    mesh: MeshConfig = MeshConfig()
+    """Devices to train over (`--mesh`); one device by default."""
+
     def __post_init__(self):
         check_at_least(1, window=self.window, segment=self.segment, summaries=self.summaries,
                        seq_len=self.seq_len, sequences=self.sequences, heldout_sequences=self.heldout_sequences,
@@ -152,7 +156,7 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
         model.params, model.config, drafter.config, drafter.params, window, train_set, out_dir / "run",
         OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(50, recipe.steps // 10),
                         total_steps=recipe.steps, weight_decay=0.0),
-        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=max(recipe.steps // 5, 1),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, mesh=recipe.mesh, eval_every=max(recipe.steps // 5, 1),
                    checkpoint_every=max(recipe.steps // 5, 1)),
         train_config, heldout=heldout, draft_vocab=drafter.draft_vocab)
     fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)

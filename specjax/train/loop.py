@@ -21,7 +21,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
-from specjax.sharding import shard_parameters, shard_state
+from specjax.sharding import MeshConfig, shard_parameters, shard_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,8 @@ class LoopConfig:
     """How many recent checkpoints orbax keeps."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    mesh: MeshConfig = MeshConfig()
+    """Devices to train over (`--mesh`; specjax/sharding.py): one device by default."""
 
     def __post_init__(self):
         check_at_least(1, steps=self.steps, log_every=self.log_every, checkpoint_every=self.checkpoint_every,
@@ -153,7 +155,6 @@ def train(
     optimizer: OptimizerConfig = OptimizerConfig(),
     loop: LoopConfig = LoopConfig(),
     eval_fn: Callable[[Any], dict[str, float]] | None = None,
-    mesh: Mesh | None = None,
 ) -> tuple[Any, list[float]]:
     """Train `init_params` to minimise loss_fn(params, batch, rng) -> (loss, aux metrics).
 
@@ -161,7 +162,7 @@ def train(
     automatically from the latest checkpoint in out_dir/checkpoints. Returns (params, losses of the
     steps run in this call).
 
-    mesh: train over these devices (specjax/sharding.py): parameters and optimizer moments are
+    On a mesh of more than one device (loop.mesh): parameters and optimizer moments are
     placed by the sharding rules (FSDP slices over `fsdp`, tensor-parallel splits over `model`),
     each batch is split over `data` and `fsdp`, and checkpoints are written and read sharded, so a
     run resumes on a mesh of another shape.
@@ -173,6 +174,7 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     tx = make_optimizer(optimizer)
     schedule = make_schedule(optimizer)
+    mesh = loop.mesh.build() if loop.mesh.size > 1 else None
     state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
     if mesh is not None:  # moments follow their parameters' rules (same paths); the step is replicated
         state = shard_parameters(state, mesh)

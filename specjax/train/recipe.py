@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.sharding import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,9 @@ class DistillRecipe:
     """Compute precision of the target (data generation, features, head) and of the drafter's
     forward and backward: bfloat16 feeds bf16 into every dot with float32 accumulation. The drafter's
     master weights and optimizer state stay float32 either way."""
+
+    mesh: MeshConfig = MeshConfig()
+    """Devices to train over (`--mesh`); one device by default."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -198,7 +202,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
         model.params, model.config, config, sets, out_dir / "run",
         OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(200, recipe.steps // 10),
                         total_steps=recipe.steps),
-        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=max(recipe.steps // 10, 1),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, mesh=recipe.mesh, eval_every=max(recipe.steps // 10, 1),
                    checkpoint_every=max(recipe.steps // 10, 1)),
         DrafterTrainConfig(sequences_per_batch=recipe.sequences_per_batch,
                            anchors_per_sequence=recipe.anchors_per_sequence),

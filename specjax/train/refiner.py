@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.sharding import MeshConfig
 from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
 from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
@@ -222,6 +223,9 @@ class RefinerRecipe:
     """Seeds prompts, windows, batches and init. The default differs from the drafter's recipe so the
     refiner learns from text the drafter was not trained on, where its drafts look as at decode time."""
 
+    mesh: MeshConfig = MeshConfig()
+    """Devices to train over (`--mesh`); one device by default."""
+
     def __post_init__(self):
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        everyday_prompts=self.everyday_prompts)
@@ -263,7 +267,7 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
         model.params, model.config, drafter, config, sets, out_dir / "run",
         OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(100, recipe.steps // 10),
                         total_steps=recipe.steps),
-        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=max(recipe.steps // 10, 1),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, mesh=recipe.mesh, eval_every=max(recipe.steps // 10, 1),
                    checkpoint_every=max(recipe.steps // 10, 1)),
         RefinerTrainConfig(drafted_input_rate=recipe.drafted_input_rate, ramp_steps=max(recipe.steps // 3, 1)),
         heldout=heldout,
