@@ -167,9 +167,29 @@ def shard_parameters(params, mesh: Mesh):
         sharding = NamedSharding(mesh, spec)
         if isinstance(leaf, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-        return jax.device_put(leaf, sharding)
+        return put(leaf, sharding)
 
     return jax.tree.map(place, params, specs)
+
+
+def put(value, sharding: NamedSharding) -> jax.Array:
+    """value (the same on every process) as a global array with this sharding. With several
+    processes each builds only its own devices' slices; one process simply copies."""
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def to_host(tree):
+    """Every array of `tree` as numpy on this process, gathered from every process's devices."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
 def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
@@ -185,7 +205,7 @@ def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
 def shard_state(tree, mesh: Mesh):
     """A decode state (every leaf batch-major, scalars replicated) placed on the mesh by state_spec."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: jax.device_put(leaf, NamedSharding(mesh, state_spec(_path_string(path), np.shape(leaf), mesh))),
+        lambda path, leaf: put(leaf, NamedSharding(mesh, state_spec(_path_string(path), np.shape(leaf), mesh))),
         tree)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if __name__ == "__main__":  # importers (the two-process test) bring their own devices
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -125,3 +125,38 @@ def test_cli_mesh_and_multi_host_flags_fail_clearly(capsys, tmp_path):
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert re.search(message, capsys.readouterr().err), argv
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job, tmp_path):
+    """Two processes with 4 CPU devices each join one 8-device mesh through jax.distributed (gloo
+    collectives, coordinator on 127.0.0.1): one training step and one greedy decode equal one process."""
+    sys.path.insert(0, str(HERE))
+    from sharded_train import run
+
+    path, payload = job
+    with open(tmp_path / "job.pkl", "wb") as f:
+        pickle.dump(payload, f)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_run.py"), str(port), str(i), "2", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=420) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads(results[0][0].strip().splitlines()[-1])
+    assert (result["devices"], result["local_devices"]) == (8, 4)
+    _, reference_losses = run(tmp_path / "one-process", 1, None)
+    np.testing.assert_allclose(result["losses"], reference_losses, rtol=0, atol=1e-5)
+    reference = _one_device(target, drafter, payload, ("ar", "chain"))
+    assert result["outputs"] == reference

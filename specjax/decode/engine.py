@@ -28,7 +28,7 @@ from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
-from specjax.sharding import shard_parameters, shard_state
+from specjax.sharding import shard_parameters, shard_state, to_host
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
@@ -408,7 +408,7 @@ class Engine:
         if shape.streaming:
             next_redraft = np.full(batch, redraft.every if redraft else 0)
             while True:
-                tokens, counts, done = jax.device_get((state.tokens, state.num_generated, state.done))
+                tokens, counts, done = to_host((state.tokens, state.num_generated, state.done))
                 if on_tokens is not None:
                     on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
                 if done.all():
@@ -424,7 +424,7 @@ class Engine:
         else:
             state = jax.block_until_ready(run(parts, state))
         wall_s = time.perf_counter() - start
-        tokens, counts, histogram, drafted, steps, passes, sizes, chosen = jax.device_get(
+        tokens, counts, histogram, drafted, steps, passes, sizes, chosen = to_host(
             (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
              state.refine_passes, state.tree_sizes, state.tree_chosen))
         rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
@@ -451,7 +451,7 @@ class Engine:
         if redraft is not None:
             stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s)
             if redrafts:  # the drafting contexts were refilled: report them as they ended
-                stats["drafting_context_tokens"] = [int(n) for n in jax.device_get(state.retrieval_lengths)]
+                stats["drafting_context_tokens"] = [int(n) for n in to_host(state.retrieval_lengths)]
         if shape.rapid is not None:
             memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
                                    None if shape.streaming else run)

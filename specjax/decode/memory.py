@@ -55,7 +55,7 @@ def drafter_state_breakdown(drafter_config, batch: int, cache_length: int) -> di
 
 def device_peak_bytes() -> int | None:
     """The device's peak bytes in use since the process started, where the backend reports it."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
