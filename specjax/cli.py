@@ -762,6 +762,21 @@ def _start_processes(args) -> None:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
+def _check_processes(args) -> None:
+    """Several processes must share one mesh over all their devices; the training commands also
+    build data and write files, which they do as one process only."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    if args.command.startswith("train-"):
+        raise SpecjaxError(f"{args.command} runs as one process (its data building, metrics and saving are not "
+                           f"split between processes yet); use --mesh over one host's devices")
+    if _mesh_config(args).size != jax.device_count():
+        raise SpecjaxError(f"{jax.process_count()} processes need --mesh over all {jax.device_count()} devices, "
+                           f"not {_mesh_config(args)}")
+
+
 def _mesh_config(args):
     from specjax.sharding import MeshConfig
 
@@ -1085,6 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "mesh"):
             _start_processes(args)
+            _check_processes(args)
             _mesh(args)  # a mesh the devices cannot hold fails here, before any model loads
         return args.func(args)
     except SpecjaxError as e:

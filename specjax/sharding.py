@@ -86,9 +86,10 @@ class MeshConfig:
         exactly `size`."""
         devices = jax.devices() if devices is None else list(devices)
         if len(devices) != self.size:
+            hint = ("; XLA_FLAGS=--xla_force_host_platform_device_count=N makes N CPU devices"
+                    if devices[0].platform == "cpu" else "")
             raise SpecjaxError(f"mesh {self} needs {self.size} devices, but {len(devices)} are available "
-                               f"({devices[0].platform}); on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                               f"makes N devices")
+                               f"({devices[0].platform}){hint}")
         return Mesh(np.asarray(devices, dtype=object).reshape(self.shape), MESH_AXES)
 
 
@@ -115,7 +116,8 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(^|/)fc/kernel$", (None, "embed")),
     (r"anchor_proj/kernel$", (None, "embed")),
     (r"slot_embedding$", (None, "embed")),
-    # Refiners and compressors are small (about 1% of a drafter): kept whole on every device.
+    # Norms, biases and the mask embedding are vectors: kept whole on every device, as are the
+    # refiner's and compressor's weights (about 1% of a drafter), which no rule above names.
     (r"(scale|bias|mask_embedding)$", (None,)),
 )
 """Parameter path (keys joined by "/") -> logical names of its dimensions, first match wins.
@@ -135,14 +137,16 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
 
 
 def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
-    """The PartitionSpec of an array with these logical axes, leaving whole any dimension its mesh
-    axes do not divide (and any mesh axis already used by an earlier dimension)."""
+    """The PartitionSpec of an array with these logical axes. A dimension takes the longest leading
+    run of its mesh axes whose sizes divide it (a batch of 6 on data=2,fsdp=2 splits over data
+    alone), or stays whole; a mesh axis already used by an earlier dimension is skipped."""
     used: set[str] = set()
     entries = []
     for size, name in zip(shape, axes):
         mesh_axes = tuple(a for a in LOGICAL_AXIS_RULES.get(name, ()) if a not in used and mesh_shape.get(a, 1) > 1)
-        split = int(np.prod([mesh_shape[a] for a in mesh_axes])) if mesh_axes else 1
-        if not mesh_axes or size % split:
+        while mesh_axes and size % int(np.prod([mesh_shape[a] for a in mesh_axes])):
+            mesh_axes = mesh_axes[:-1]
+        if not mesh_axes:
             entries.append(None)
             continue
         used.update(mesh_axes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+os.environ["JAX_PLATFORMS"] = "cpu"  # the forced host devices, even where a GPU is present
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import json  # noqa: E402
@@ -27,7 +28,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 def main(port: str, process_id: str, num_processes: str, out_dir: str) -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(240, exit=True)  # a hung collective ends the process, with its stack
+    faulthandler.dump_traceback_later(400, exit=True)  # a hung collective ends the process, with its stack
     jax.distributed.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
     from specjax.decode.engine import Engine
     from specjax.io.dflash import LoadedDrafter

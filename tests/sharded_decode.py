@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+os.environ["JAX_PLATFORMS"] = "cpu"  # the forced host devices, even where a GPU is present
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402

@@ -12,6 +12,7 @@ import os
 import sys
 
 if __name__ == "__main__":  # importers (the two-process test) bring their own devices
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the forced host devices, even where a GPU is present
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import json  # noqa: E402

@@ -9,7 +9,6 @@ fails the test."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -87,18 +86,20 @@ CI_SIZES = {
 }
 
 EXPECTATIONS = {
+    # tau > 1: the committed drafter has some draft accepted on the CI prompt (tau 1.40 measured); a
+    # drafter whose drafts never survive would still give AR's output, at tau exactly 1.
     "01_block_diffusion_drafting": dict(
-        tau=lambda t: t >= 1.0, speedup_vs_ar=lambda s: s > 0, identical_to_ar=lambda same: same is True,
+        tau=lambda t: t > 1.0, speedup_vs_ar=lambda s: s > 0, identical_to_ar=lambda same: same is True,
         ar_tokens_per_s=lambda s: s > 0, chain_tokens_per_s=lambda s: s > 0,
         per_position_acceptance=_fractions, best_block_accepted=lambda n: n >= 0),
     "02_causal_refiner": dict(
-        chain_tau=lambda t: t >= 1.0, refined_tau=lambda t: t >= 1.0, chain_identical_to_ar=lambda same: same is True,
+        chain_tau=lambda t: t > 1.0, refined_tau=lambda t: t > 1.0,  # 1.40 and 1.17 measured chain_identical_to_ar=lambda same: same is True,
         refined_identical_to_ar=lambda same: same is True, chain_acceptance=_fractions,
         refined_acceptance=_fractions, refine_passes=lambda n: 0 < n <= 1, refined_speedup_vs_ar=lambda s: s > 0),
     "03_budget_aware_trees": dict(
         auto_tau=lambda t: t >= 1.0, auto_speedup_vs_ar=lambda s: s > 0, auto_nodes_chosen=lambda n: 1 <= n <= 4,
         verify_sizes=lambda s: s == [1, 2, 4], verify_ms=lambda ms: len(ms) == 3 and all(m > 0 for m in ms),
-        fixed_tau=lambda ts: len(ts) == 2 and all(t >= 1.0 for t in ts),
+        fixed_tau=lambda ts: len(ts) == 2 and all(t > 1.0 for t in ts),  # 1.40 and 1.40 measured
         fixed_speedup_vs_ar=lambda ss: all(s > 0 for s in ss), identical_to_ar=lambda same: same is True),
     "04_windowed_drafting": dict(
         drafter_state_mib_full=lambda xs: len(xs) > 1 and all(b > a > 0 for a, b in zip(xs, xs[1:])),
@@ -180,11 +181,14 @@ def test_a_broken_notebook_fails_the_check(tmp_path):
     tagged = next(i for i, c in enumerate(source.cells) if "parameters" in c.metadata.get("tags", []))
     broken = nbformat.v4.new_notebook(cells=source.cells[: tagged + 1] + [
         nbformat.v4.new_code_cell("raise RuntimeError('deliberately broken')")], metadata=source.metadata)
-    copy = tmp_path / f"{name}.py"
-    jupytext.write(broken, copy)
-    shutil.copy(copy, tmp_path / "copy.py")
+    jupytext.write(broken, tmp_path / "copy.py")
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="deliberately broken"):
         execute(tmp_path / "copy.py", {})
     with_nan = {key: 1.0 for key in EXPECTATIONS[name]} | {"tau": float("nan")}
     with pytest.raises(AssertionError, match="non-finite"):
         check_summary(name, json.loads(json.dumps(with_nan)))
+    with pytest.raises(AssertionError, match="fails its expectation"):  # drafts never accepted
+        check_summary(name, {"tau": 1.0, "speedup_vs_ar": 0.5, "identical_to_ar": True, "ar_tokens_per_s": 1.0,
+                             "chain_tokens_per_s": 0.5, "per_position_acceptance": [0.0], "best_block_accepted": 0})
+    with pytest.raises(ValueError, match="no summary line"):
+        read_summary("the notebook printed this and nothing else\n")

@@ -84,7 +84,7 @@ for label, entry in report["methods"].items():
     acc = entry["per_position_acceptance"]
     curves.plot(np.arange(1, len(acc) + 1), acc, marker="o", label=f"{label} (tau {entry['tau']:.2f})")
 curves.set(xlabel="draft slot k", ylabel="fraction of verify steps accepting slot k",
-           title="Acceptance curves", ylim=(0, 1), xlim=(0.5, 8.5))
+           title="Acceptance curves", ylim=(0, 1))
 curves.legend()
 labels = list(report["methods"])
 speed.bar(labels, [report["methods"][m]["tokens_per_s"] for m in labels],

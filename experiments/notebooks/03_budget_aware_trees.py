@@ -22,7 +22,7 @@
 #
 # This notebook shows, for SmolLM2-135M and its committed drafter on this machine:
 # 1. the **verify-cost curve**: the time of one target pass against the nodes it checks;
-# 2. the tree sizes the rule **picks** step by step;
+# 2. the tree sizes the rule **picks**: how many verify steps ran at each size;
 # 3. **tau against tree size** for fixed-size trees, and what each size buys in tokens/s.
 
 # %%
@@ -108,8 +108,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On a CPU the verify cost grows quickly with the node count, so the rule keeps trees small; on a
-# GPU a 64-node pass costs little more than a 1-node one, and the same rule grows them.
+# The rule reads only the measured curve: where verifying more nodes costs much more (a CPU), it
+# keeps trees small; where a 64-node pass costs about what a 1-node one does, as is typical of a
+# GPU, the same rule grows them. Rerun this notebook on your hardware to see which.
 
 # %%
 summary(auto_tau=auto["tau"], auto_speedup_vs_ar=auto["speedup_vs_ar"], auto_nodes_chosen=auto["tree_nodes_chosen"],

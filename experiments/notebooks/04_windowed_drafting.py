@@ -19,7 +19,7 @@
 # per token. SW-SpeedDLM-style **windowed drafting** bounds it: the drafter attends to the last *W*
 # positions raw, plus a few learned **summary tokens** for each finished segment of older context,
 # made by a small trained segment compressor. Its state is then a ring of *W* + one block, plus
-# summaries that grow *summaries / segment* times slower than the raw context.
+# summaries that grow *segment / summaries* times slower than the raw context.
 #
 # Only the drafts change: the target still verifies every block against the whole context, so the
 # greedy output stays the target's own, token for token. What windowing can cost is acceptance.

@@ -221,6 +221,13 @@ class Engine:
             self.validate(retrieval_prompts, max_new_tokens)
         if redraft is not None and not spec.needs_retrieval:
             raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
+        if redraft is not None and self.mesh is not None:
+            raise SpecjaxError("re-retrieval (redraft) does not run over a mesh yet; decode on one device")
+        if spec.needs_tree and tree.auto and jax.process_count() > 1:
+            # Each process would time the verify passes on its own clock, and processes that pick
+            # different tree sizes would stop agreeing on the program.
+            raise SpecjaxError("auto-sized trees are timed on each process; over several processes give a fixed "
+                               "tree size (--tree-budget N / TreeConfig(budget=N))")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -313,7 +320,7 @@ class Engine:
                        refine=shape.refine if refined else RefineConfig())
         (tokens, num_generated, histogram, refine_passes), wall_s, compile_s = self._compile_and_run(
             shape, generate_chain, full_args, statics)
-        tokens, num_generated, histogram = np.asarray(tokens), np.asarray(num_generated), np.asarray(histogram)
+        tokens, num_generated, histogram = to_host((tokens, num_generated, histogram))
         rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
         draft_cost, verify_cost, refine_cost = self._measure_phases(shape, full_args)
         refine_passes = int(refine_passes)
