@@ -391,21 +391,14 @@ class Engine:
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()
-            if self.mesh is None:
-                run = (slot_api.step.lower(parts, state, method=shape.method, statics=statics) if shape.streaming else
-                       slot_api.run_to_end.lower(parts, state, method=shape.method, statics=statics))
-                self._compiled[shape] = (slot_api.insert.lower(parts, state, request, statics=statics).compile(),
-                                         run.compile())
-            else:
-                # Every call leaves the state where it found it, so the compiled loop takes the
-                # insert's output and its own (GSPMD would otherwise pick each output's layout).
-                placed = jax.tree.map(lambda a: a.sharding, state)
-                loop = slot_api.step if shape.streaming else slot_api.run_to_end
-                insert_fn = jax.jit(partial(slot_api.insert, statics=statics), out_shardings=placed, donate_argnums=1)
-                run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), out_shardings=placed,
-                                 donate_argnums=1)
-                self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
-                                         run_fn.lower(parts, state).compile())
+            # Over a mesh every call leaves the state where it found it, so the compiled loop takes
+            # the insert's output and its own (GSPMD would otherwise pick each output's layout).
+            pinned = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, state)}
+            loop = slot_api.step if shape.streaming else slot_api.run_to_end
+            insert_fn = jax.jit(partial(slot_api.insert, statics=statics), donate_argnums=1, **pinned)
+            run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), donate_argnums=1, **pinned)
+            self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
+                                     run_fn.lower(parts, state).compile())
             compile_s = time.perf_counter() - start
         insert, run = self._compiled[shape]
         start = time.perf_counter()
