@@ -503,7 +503,8 @@ def cmd_serve(args) -> int:
                          prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
                          snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
                          retrieval=_retrieval_config(args), drafting_length=args.drafting_length)
-    scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner)
+    scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
+                          mesh=_mesh(args))
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
     print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
@@ -720,8 +721,8 @@ def _add_tree_options(parser) -> None:
 def _add_mesh_options(parser) -> None:
     parser.add_argument("--mesh", default="",
                         help="devices to run over (specjax/sharding.py): axis=size pairs over data, fsdp and model, "
-                             "e.g. data=2,model=4; their product must be the device count (all processes'); "
-                             "default: one device")
+                             "e.g. data=2,model=4; their product is the number of devices used, the first ones (over "
+                             "several processes: all of them); default: one device")
     parser.add_argument("--coordinator",
                         help="multi-host runs: HOST:PORT of process 0 for jax.distributed "
                              "(default $JAX_COORDINATOR_ADDRESS)")
@@ -772,6 +773,9 @@ def _check_processes(args) -> None:
     if args.command.startswith("train-"):
         raise SpecjaxError(f"{args.command} runs as one process (its data building, metrics and saving are not "
                            f"split between processes yet); use --mesh over one host's devices")
+    if args.command == "serve":
+        raise SpecjaxError("serve runs as one process (one HTTP front, one scheduler); use --mesh over one "
+                           "host's devices")
     if _mesh_config(args).size != jax.device_count():
         raise SpecjaxError(f"{jax.process_count()} processes need --mesh over all {jax.device_count()} devices, "
                            f"not {_mesh_config(args)}")
@@ -968,6 +972,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--drafting-length", type=int, default=None,
                      help="rapid, rapid+block: cache slots of each request's drafting context (retrieved passages, "
                           "question and completion; default: --retrieval-budget + --max-new-tokens + 256)")
+    _add_mesh_options(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
 
     bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from specjax.errors import SpecjaxError
@@ -82,15 +83,27 @@ class MeshConfig:
         return ",".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
 
     def build(self, devices=None) -> Mesh:
-        """The jax Mesh over `devices` (default: every device of every process), which must number
-        exactly `size`."""
+        """The jax Mesh over the first `size` of `devices` (default: every device of every process,
+        process by process, so `data`, the outermost axis, is the one that spans hosts). jax's
+        mesh_utils lays the grid out so that on a TPU slice the innermost axis follows the fastest
+        links. A run of several processes must use all of their devices."""
         devices = jax.devices() if devices is None else list(devices)
-        if len(devices) != self.size:
+        if len(devices) < self.size:
             hint = ("; XLA_FLAGS=--xla_force_host_platform_device_count=N makes N CPU devices"
                     if devices[0].platform == "cpu" else "")
             raise SpecjaxError(f"mesh {self} needs {self.size} devices, but {len(devices)} are available "
                                f"({devices[0].platform}){hint}")
-        return Mesh(np.asarray(devices, dtype=object).reshape(self.shape), MESH_AXES)
+        if len(devices) > self.size and jax.process_count() > 1:
+            raise SpecjaxError(f"mesh {self} covers {self.size} of the {len(devices)} devices; a run of "
+                               f"{jax.process_count()} processes must use all of them")
+        devices = devices[: self.size]
+        try:
+            grid = mesh_utils.create_device_mesh(self.shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            # Topology-aware layouts exist for whole TPU slices; any other subset keeps jax's order,
+            # which only affects speed, never results.
+            grid = np.asarray(devices, dtype=object).reshape(self.shape)
+        return Mesh(grid, MESH_AXES)
 
 
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
@@ -174,6 +187,14 @@ def shard_parameters(params, mesh: Mesh):
         return put(leaf, sharding)
 
     return jax.tree.map(place, params, specs)
+
+
+def with_sharded_params(loaded, mesh: Mesh | None):
+    """A loaded model, drafter or refiner (a dataclass with `params`) with its weights placed on
+    the mesh by the rules; None, or no mesh, passes through."""
+    if loaded is None or mesh is None:
+        return loaded
+    return dataclasses.replace(loaded, params=shard_parameters(loaded.params, mesh))
 
 
 def put(value, sharding: NamedSharding) -> jax.Array:

@@ -3,8 +3,10 @@
     python tests/sharded_decode.py JOB.pkl
 
 JOB.pkl holds the target and drafter (configs and numpy params), the prompts, the meshes and the
-methods. The process makes 8 CPU devices (XLA_FLAGS must be set before jax starts, which is why this
-runs apart from the suite) and prints one JSON line: outputs per mesh and method."""
+methods; with "serve", also the methods to serve through the Scheduler (4 slots over the mesh).
+The process makes 8 CPU devices (XLA_FLAGS must be set before jax starts, which is why this runs
+apart from the suite) and prints one JSON line: outputs per mesh and method (served ones as
+"serve:METHOD")."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from specjax.decode.engine import Engine  # noqa: E402
 from specjax.decode.tree import TreeConfig  # noqa: E402
 from specjax.io.dflash import LoadedDrafter  # noqa: E402
 from specjax.io.registry import LoadedModel  # noqa: E402
+from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E402
 from specjax.sharding import MeshConfig  # noqa: E402
 
 
@@ -45,7 +48,23 @@ def main(job_path: str) -> None:
             options = {"tree": TreeConfig(budget=job["tree_budget"])} if method == "tree" else {}
             out = engine.generate(job["prompts"], job["max_new_tokens"], method=method, **options)
             results[mesh_text][method] = out.tokens
-    print(json.dumps({"devices": jax.device_count(), "outputs": results}))
+        for method in job.get("serve", ()):
+            config = ServeConfig(method=method, slots=4, context_length=64, max_new_tokens=job["max_new_tokens"],
+                                 steps_per_sync=3, prompt_bucket=16)
+            scheduler = Scheduler(model, drafter, config, mesh=mesh)
+            try:
+                handles = [scheduler.submit(Request(tuple(p), max_tokens=job["max_new_tokens"], temperature=0.0))
+                           for p in job["prompts"]]
+                results[mesh_text][f"serve:{method}"] = [h.result(timeout=300).token_ids for h in handles]
+                # Slots over data and fsdp, KV heads over model: one device's slice of the target's keys.
+                keys = scheduler._state.target_cache.keys[0]
+                results[mesh_text][f"serve:{method}:kv_shard"] = list(keys.addressable_shards[0].data.shape)
+                results[mesh_text][f"serve:{method}:kv_shape"] = list(keys.shape)
+            finally:
+                scheduler.shutdown()
+    # A mesh may use fewer devices than the process has: the first ones.
+    smaller = [d.id for d in MeshConfig.parse("model=4").build().devices.flat]
+    print(json.dumps({"devices": jax.device_count(), "outputs": results, "smaller_mesh": smaller}))
 
 
 if __name__ == "__main__":

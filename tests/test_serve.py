@@ -140,11 +140,17 @@ def test_steps_compute_only_the_rows_in_use_after_packing_them(target, drafter, 
     scheduler = Scheduler(target, drafter, _config("chain", slot_count=4, row_buckets=(1,)), compile_now=False)
     assert scheduler.row_buckets == (1, 4)
     stepped, moved = [], []
-    compiled_step, move_row = scheduler._compiled_step, slots.move_row
+    compiled_step, program = scheduler._compiled_step, scheduler._program
     monkeypatch.setattr(scheduler, "_compiled_step", lambda policy, length, rows: (
         stepped.append(rows), compiled_step(policy, length, rows))[1])
-    monkeypatch.setattr(slots, "move_row", lambda state, source, target: (moved.append((source, target)),
-                                                                          move_row(state, source, target))[1])
+
+    def recorded(kind, **static):
+        run = program(kind, **static)
+        if kind != "move_row":
+            return run
+        return lambda state, source, target: (moved.append((source, target)), run(state, source, target))[1]
+
+    monkeypatch.setattr(scheduler, "_program", recorded)
     prompts, limits = PROMPTS[:3], [3, 24, 2]  # the long request sits in slot 1, between two short ones
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(prompts, limits)]

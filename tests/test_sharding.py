@@ -61,14 +61,15 @@ def job(target, drafter, tmp_path_factory):
     return path, job
 
 
-def _run_child(path: Path, job: dict, meshes, methods) -> dict:
+def _run_child(path: Path, job: dict, meshes, methods, serve=()) -> dict:
     with open(path, "wb") as f:
-        pickle.dump({**job, "meshes": list(meshes), "methods": list(methods)}, f)
+        pickle.dump({**job, "meshes": list(meshes), "methods": list(methods), "serve": list(serve)}, f)
     done = subprocess.run([sys.executable, str(HERE / "sharded_decode.py"), str(path)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["devices"] == 8
+    assert result["smaller_mesh"] == [0, 1, 2, 3]
     return result["outputs"]
 
 
@@ -86,16 +87,24 @@ def _one_device(target, drafter, job, methods) -> dict:
                                     pytest.param(("model=8", "data=4,model=2", "fsdp=8"), marks=pytest.mark.slow)],
                          ids=["dp-fsdp-tp", "more-meshes"])
 def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, meshes):
+    """Engine decoding (ar, chain, tree) and the serving scheduler (chain, 4 slots) over a mesh give
+    the one-device tokens, with weights, slots and KV heads really split."""
     methods = ("ar", "chain", "tree")
     reference = _one_device(target, drafter, job[1], methods)
     assert reference["chain"] == reference["ar"] == reference["tree"]
-    outputs = _run_child(*job, meshes, methods)
+    outputs = _run_child(*job, meshes, methods, serve=("chain",))
     rows, cols = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"].shape
     for mesh in meshes:
         config = MeshConfig.parse(mesh)  # q_proj is [embed / fsdp, heads / model] on each device
         assert outputs[mesh]["q_proj_shard"] == [rows // config.fsdp, cols // config.model], mesh
         for method in methods:
             assert outputs[mesh][method] == reference[method], (mesh, method)
+        # The server's 4 slots split over data and fsdp (as far as they divide 4), KV heads over model.
+        assert outputs[mesh]["serve:chain"] == reference["chain"], mesh
+        slots, length, heads, dim = outputs[mesh]["serve:chain:kv_shape"]
+        split = next(n for n in (config.data * config.fsdp, config.data, 1) if slots % n == 0)
+        kv_model = config.model if heads % config.model == 0 else 1
+        assert outputs[mesh]["serve:chain:kv_shard"] == [slots // split, length, heads // kv_model, dim], mesh
 
 
 def test_training_on_a_mesh_matches_one_device_and_resumes_on_another_mesh(tmp_path):

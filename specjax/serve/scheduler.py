@@ -21,11 +21,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from functools import partial
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from specjax.decode import slots as slot_api
 from specjax.data.retrieval import NEEDS_ENCODER, IndexCache, RetrievalConfig, long_context_prompt
@@ -44,6 +46,7 @@ from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
 from specjax.serve.controller import Controller, ControllerConfig, Decision, HeldRow, relieve_memory
+from specjax.sharding import shard_state, with_sharded_params
 
 log = logging.getLogger("specjax.serve")
 
@@ -314,9 +317,11 @@ class Scheduler:
 
     def __init__(self, model: LoadedModel, drafter: LoadedDrafter | None = None, config: ServeConfig = ServeConfig(),
                  metrics_log: str | None = None, compile_now: bool = True, refiner: LoadedRefiner | None = None,
-                 latency_cache: Path | None = None):
+                 latency_cache: Path | None = None, mesh: Mesh | None = None):
         """refiner: for the +refiner methods. latency_cache: where measured tree costs are kept
-        between processes (default $SPECJAX_CACHE/latency)."""
+        between processes (default $SPECJAX_CACHE/latency). mesh: serve over these devices
+        (specjax/sharding.py): the weights placed by the sharding rules, the slots split over `data`
+        and `fsdp` and each slot's KV heads over `model`; every program keeps that layout."""
         self.adaptive = config.method == "adaptive"
         if self.adaptive:
             if drafter is None:
@@ -341,7 +346,8 @@ class Scheduler:
             check_refiner(refiner, drafter)
         else:
             refiner = None
-        self.model, self.drafter, self.refiner, self.config = model, drafter, refiner, config
+        model, drafter, refiner = (with_sharded_params(x, mesh) for x in (model, drafter, refiner))
+        self.model, self.drafter, self.refiner, self.config, self.mesh = model, drafter, refiner, config, mesh
         # rapid and rapid+block keep a drafting context per slot that only their own steps advance
         # (an AR or chain step would leave it behind, or write it at full-prompt positions), so
         # they are served as a fixed method, never in the adaptive set.
@@ -425,7 +431,11 @@ class Scheduler:
         self.memory_state = None
         self._compiler: threading.Thread | None = None
 
-        self._state = slot_api.empty_slots(self.statics)
+        self._state = self._fresh_state()
+        # Over a mesh every program hands the state back in the layout it was given, so one
+        # compiled executable per shape serves every call (GSPMD would otherwise choose each output's).
+        self._pinned = {} if mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, self._state)}
+        self._programs: dict[tuple, Any] = {}
         self._waiting: collections.deque[tuple[RequestHandle, float]] = collections.deque()
         self._live: dict[int, _Live] = {}  # slot -> request
         self._lock = threading.Lock()
@@ -471,6 +481,24 @@ class Scheduler:
             latency.save(key, folder)
         return latency
 
+    def _fresh_state(self) -> slot_api.SlotState:
+        """Every slot free, placed on the mesh when there is one."""
+        return self._placed(slot_api.empty_slots(self.statics))
+
+    def _placed(self, batch_major):
+        """A slot state or insert request (every leaf batch-major) in the mesh's layout."""
+        return batch_major if self.mesh is None else shard_state(batch_major, self.mesh)
+
+    def _program(self, kind: str, **static):
+        """The jitted step, insert or move_row with these static arguments, the state donated and,
+        over a mesh, its layout pinned; one per shape, so jit compiles each shape once."""
+        key = (kind, *sorted(static.items()))
+        if key not in self._programs:
+            function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row}[kind]
+            donated = 0 if kind == "move_row" else 1  # move_row(state, source, target); the others (parts, state, ...)
+            self._programs[key] = jax.jit(partial(function, **static), donate_argnums=donated, **self._pinned)
+        return self._programs[key]
+
     def _buckets(self) -> tuple[int, ...]:
         buckets, size = [], self.config.prompt_bucket
         while size < self.max_prompt:
@@ -485,7 +513,7 @@ class Scheduler:
                         offsets=None, limits=None, drafting=None):
         """drafting: (prompts [R, W], lengths [R]) of the rows' drafting prompts (rapid, rapid+block)."""
         limits = [self.statics.block - 1] * len(rows) if limits is None else limits
-        return slot_api.InsertRequest(
+        return self._placed(slot_api.InsertRequest(
             retrieval_prompts=None if drafting is None else jnp.asarray(drafting[0], jnp.int32),
             retrieval_prompt_lengths=None if drafting is None else jnp.asarray(drafting[1], jnp.int32),
             draft_limit=jnp.asarray(limits, jnp.int32),
@@ -494,14 +522,14 @@ class Scheduler:
             prompt_lengths=jnp.asarray(lengths, jnp.int32), max_new_tokens=jnp.asarray(max_new, jnp.int32),
             seeds=jnp.asarray(seeds, jnp.uint32),
             sampling=slot_api.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                                          jnp.asarray(top_p, jnp.float32)))
+                                          jnp.asarray(top_p, jnp.float32))))
 
     def _compile_steps(self, policy: str) -> None:
         for length in self.attend_buckets:
             for rows in self.row_buckets:
-                self._compiled["step", policy, length, rows] = slot_api.step.lower(
-                    self.parts, self._state, method=policy, statics=self.statics, attend_slots=length,
-                    rows=rows).compile()
+                self._compiled["step", policy, length, rows] = self._program(
+                    "step", method=policy, statics=self.statics, attend_slots=length, rows=rows,
+                ).lower(self.parts, self._state).compile()
 
     def _make_ready(self, policy: str, compile_steps: bool = True) -> None:
         """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
@@ -516,11 +544,12 @@ class Scheduler:
         costs = {}
         with self._device_lock:
             scratch = slot_api.empty_slots(self.statics)
-            scratch = scratch.replace(lengths=jnp.full_like(scratch.lengths, filled),
-                                      done=jnp.zeros_like(scratch.done),
-                                      max_new_tokens=jnp.full_like(scratch.max_new_tokens, self.config.max_new_tokens))
-            reset = lambda st: st.replace(lengths=jnp.full_like(st.lengths, filled),  # noqa: E731
-                                          done=jnp.zeros_like(st.done), num_generated=jnp.zeros_like(st.num_generated))
+            scratch = self._placed(scratch.replace(
+                lengths=jnp.full_like(scratch.lengths, filled), done=jnp.zeros_like(scratch.done),
+                max_new_tokens=jnp.full_like(scratch.max_new_tokens, self.config.max_new_tokens)))
+            reset = lambda st: self._placed(st.replace(  # noqa: E731
+                lengths=jnp.full_like(st.lengths, filled), done=jnp.zeros_like(st.done),
+                num_generated=jnp.zeros_like(st.num_generated)))
             if compile_steps:  # a compiled program's first run is slower: run every shape once now
                 for length in self.attend_buckets[1:]:
                     for rows in self.row_buckets:
@@ -571,13 +600,13 @@ class Scheduler:
                 request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
                                                [1] * rows, [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows,
                                                final=[True] * rows)
-                self._compiled[bucket, rows] = slot_api.insert.lower(self.parts, self._state, request,
-                                                                     statics=self.statics).compile()
+                self._compiled[bucket, rows] = self._program("insert", statics=self.statics).lower(
+                    self.parts, self._state, request).compile()
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
-            self._compiled["extend"] = slot_api.insert.lower(self.parts, self._state, request,
-                                                             statics=self.statics).compile()
+            self._compiled["extend"] = self._program("insert", statics=self.statics).lower(
+                self.parts, self._state, request).compile()
         chains = [slot_api.slot_method(p) for p in self.policies]
         chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
         if chains:  # trees split by their latency model
@@ -782,7 +811,7 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001 - a failed device call fails the requests in it, not the server
                 log.exception("decode step failed")
                 self._fail_all(f"{type(error).__name__}: {error}")
-                self._state = slot_api.empty_slots(self.statics)
+                self._state = self._fresh_state()
 
     @staticmethod
     def _writes(policy: str, statics) -> int:
@@ -820,14 +849,14 @@ class Scheduler:
             if not free or self._row_bucket(len(self._live)) == self._row_bucket(highest + 1):
                 return
             target = free[0]
-            self._state = slot_api.move_row(self._state, highest, target)
+            self._state = self._program("move_row")(self._state, highest, target)
             self._live[target] = self._live.pop(highest)
             self._lengths[target] = self._lengths[highest]
             self._drafting_lengths[target] = self._drafting_lengths[highest]
 
     def _compiled_step(self, policy: str, length: int, rows: int):
-        return self._compiled.get(("step", policy, length, rows)) or (
-            lambda *a: slot_api.step(*a, method=policy, statics=self.statics, attend_slots=length, rows=rows))
+        return self._compiled.get(("step", policy, length, rows)) or self._program(
+            "step", method=policy, statics=self.statics, attend_slots=length, rows=rows)
 
     def _choose_policy(self, rows: int) -> str:
         """The controller's choice for the next call (a fixed method's server always has one)."""
@@ -984,7 +1013,7 @@ class Scheduler:
             final=[start + len(t) == len(x.prompt) for start, t, x in zip(starts, takes, lives)] + [True] * pad,
             offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad, drafting=drafting)
         started = time.perf_counter()
-        run = self._compiled.get(key) or (lambda *a: slot_api.insert(*a, statics=self.statics))
+        run = self._compiled.get(key) or self._program("insert", statics=self.statics)
         self._state = run(self.parts, self._state, insert)
         jax.block_until_ready(self._state.lengths)  # so the prefill's time is its own
         self.metrics.timing("prefill", time.perf_counter() - started)
