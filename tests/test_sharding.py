@@ -122,6 +122,31 @@ def test_training_on_a_mesh_matches_one_device_and_resumes_on_another_mesh(tmp_p
     assert result["q_proj_shard"] == [rows // 4, cols // 2]
 
 
+@pytest.mark.slow  # about a minute: three trainers, each compiled on one device and on the mesh
+def test_drafter_refiner_and_compressor_training_on_a_mesh_match_one_device(target, drafter, tmp_path):
+    """The trainers the train-drafter, train-refiner and train-compressor recipes call: 3 steps on
+    data=2,fsdp=2,model=2 give the one-device losses within 1e-5, with the drafter really split."""
+    from conftest import tiny_distillation_set
+
+    tiny_distillation_set(target, tmp_path / "data", 3, n=16)  # 48-token sequences, written to disk
+    with open(tmp_path / "job.pkl", "wb") as f:
+        pickle.dump({"target": (target.config, jax.device_get(target.params)),
+                     "drafter": (drafter.config, jax.device_get(drafter.params), drafter.num_target_layers),
+                     "data": str(tmp_path / "data")}, f)
+    done = subprocess.run([sys.executable, str(HERE / "sharded_recipes.py"), str(tmp_path / "job.pkl"),
+                           str(tmp_path / "runs"), "data=2,fsdp=2,model=2"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 8
+    for trainer in ("drafter", "refiner", "compressor"):
+        assert len(result[trainer]["one"]) == len(result[trainer]["mesh"]) == 3, trainer
+        np.testing.assert_allclose(result[trainer]["mesh"], result[trainer]["one"], rtol=0, atol=1e-5,
+                                   err_msg=trainer)
+    rows, cols = result["drafter_q_proj"]["shape"]
+    assert result["drafter_q_proj"]["shard"] == [rows // 2, cols // 2]
+
+
 def test_cli_mesh_and_multi_host_flags_fail_clearly(capsys, tmp_path):
     from specjax.cli import main
 
