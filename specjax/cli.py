@@ -725,7 +725,8 @@ def _add_mesh_options(parser) -> None:
                              "several processes: all of them); default: one device")
     parser.add_argument("--coordinator",
                         help="multi-host runs: HOST:PORT of process 0 for jax.distributed "
-                             "(default $JAX_COORDINATOR_ADDRESS)")
+                             "(default $JAX_COORDINATOR_ADDRESS), or 'auto' where jax detects the cluster "
+                             "itself (a TPU pod slice, SLURM, Open MPI)")
     parser.add_argument("--num-processes", type=int,
                         help="multi-host runs: processes in the run (default $JAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int,
@@ -751,15 +752,24 @@ def _start_processes(args) -> None:
         if args.num_processes not in (None, 1) or args.process_id not in (None, 0):
             raise SpecjaxError("--num-processes and --process-id need --coordinator HOST:PORT")
         return
+    import jax
+
+    # CPU devices of different processes talk through gloo; accelerators use their own collectives.
+    previous = jax.config.jax_cpu_collectives_implementation
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator == "auto":
+        try:  # the cluster (TPU pod metadata, SLURM or Open MPI variables) names the coordinator and processes
+            jax.distributed.initialize(num_processes=args.num_processes, process_id=args.process_id)
+        except (ValueError, RuntimeError) as e:
+            jax.config.update("jax_cpu_collectives_implementation", previous)  # this process stays a single one
+            raise SpecjaxError(f"--coordinator auto: jax found no cluster to join ({e}); give HOST:PORT, "
+                               "--num-processes and --process-id") from None
+        return
     if args.num_processes is None or args.process_id is None:
         raise SpecjaxError("--coordinator needs --num-processes and --process-id (or $JAX_NUM_PROCESSES and "
                            "$JAX_PROCESS_ID)")
     if not 0 <= args.process_id < args.num_processes:
         raise SpecjaxError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
-    import jax
-
-    # CPU devices of different processes talk through gloo; accelerators use their own collectives.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 

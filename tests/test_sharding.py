@@ -156,7 +156,8 @@ def test_cli_mesh_and_multi_host_flags_fail_clearly(capsys, tmp_path):
              (["train-lm", "--out", str(tmp_path), "--coordinator", "127.0.0.1:1", "--num-processes", "2"],
               "needs --num-processes and --process-id"),
              (["bench", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
-              r"--process-id must be in \[0, 2\)")]
+              r"--process-id must be in \[0, 2\)"),
+             (["generate", "--prompt", "hi", "--coordinator", "auto"], "found no cluster")]
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert re.search(message, capsys.readouterr().err), argv
