@@ -189,12 +189,14 @@ def shard_parameters(params, mesh: Mesh):
     return jax.tree.map(place, params, specs)
 
 
-def with_sharded_params(loaded, mesh: Mesh | None):
-    """A loaded model, drafter or refiner (a dataclass with `params`) with its weights placed on
-    the mesh by the rules; None, or no mesh, passes through."""
-    if loaded is None or mesh is None:
+def place_params(loaded, mesh: Mesh | None):
+    """A loaded model, drafter or refiner (a dataclass with `params`) with its weights on the device,
+    or on the mesh by the rules. Weights still on the host go straight to their devices' slices,
+    so no device ever holds more than its share; None passes through."""
+    if loaded is None:
         return loaded
-    return dataclasses.replace(loaded, params=shard_parameters(loaded.params, mesh))
+    params = jax.device_put(loaded.params) if mesh is None else shard_parameters(loaded.params, mesh)
+    return dataclasses.replace(loaded, params=params)
 
 
 def put(value, sharding: NamedSharding) -> jax.Array:

@@ -203,3 +203,25 @@ def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job,
     np.testing.assert_allclose(result["losses"], reference_losses, rtol=0, atol=1e-5)
     reference = _one_device(target, drafter, payload, ("ar", "chain"))
     assert result["outputs"] == reference
+
+
+def test_weights_loaded_to_the_host_are_cast_there_and_placed_straight_onto_devices(target):
+    """at_compute_dtype casts host weights on the host (bit for bit XLA's rounding), so that
+    place_params sends each device only its slices; device weights stay on their device."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from specjax.io.registry import at_compute_dtype
+    from specjax.sharding import place_params
+
+    host = dataclasses.replace(target, params=jax.device_get(target.params))
+    cast = at_compute_dtype(host, "bfloat16")
+    for before, after in zip(jax.tree.leaves(host.params), jax.tree.leaves(cast.params)):
+        assert isinstance(after, np.ndarray) and after.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(after.view(np.uint16), np.asarray(jnp.asarray(before, jnp.bfloat16)).view(np.uint16))
+    placed = place_params(cast, None)
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(placed.params))
+    on_device = at_compute_dtype(placed, "float32")
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(on_device.params))
+    assert place_params(None, None) is None

@@ -28,7 +28,7 @@ from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
-from specjax.sharding import shard_state, to_host, with_sharded_params
+from specjax.sharding import shard_state, to_host, place_params
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
@@ -104,9 +104,9 @@ class Engine:
         sharding rules (tensor-parallel over `model`, sliced over `fsdp`), the batch is split over
         `data` and `fsdp`, and GSPMD partitions the same programs; output is the one-device output."""
         self.mesh = mesh
-        self.model = with_sharded_params(model, mesh)
-        self.drafter = with_sharded_params(drafter, mesh)
-        self.refiner = with_sharded_params(refiner, mesh)
+        self.model = place_params(model, mesh)
+        self.drafter = place_params(drafter, mesh)
+        self.refiner = place_params(refiner, mesh)
         if drafter is not None:
             check_pair(drafter, model.config)
         if refiner is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.errors import SpecjaxError
 from specjax.files import cache_root, make_dir
@@ -276,5 +277,8 @@ def at_compute_dtype(loaded, dtype: str):
         raise SpecjaxError(f"unknown compute dtype {dtype!r}; available: {', '.join(COMPUTE_DTYPES)}")
     if loaded.config.dtype == dtype and all(a.dtype == jnp.dtype(dtype) for a in jax.tree.leaves(loaded.params)):
         return loaded
+    # Weights still on the host (just loaded) are cast there, so placing them later sends each
+    # device only its own slices (sharding.place_params); ml_dtypes rounds to nearest even, as XLA does.
+    cast = lambda a: a.astype(jnp.dtype(dtype)) if isinstance(a, np.ndarray) else jnp.asarray(a, dtype)  # noqa: E731
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, dtype=dtype),
-                               params=jax.tree.map(lambda a: jnp.asarray(a, dtype), loaded.params))
+                               params=jax.tree.map(cast, loaded.params))

@@ -46,7 +46,7 @@ from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
 from specjax.serve.controller import Controller, ControllerConfig, Decision, HeldRow, relieve_memory
-from specjax.sharding import shard_state, with_sharded_params
+from specjax.sharding import shard_state, place_params
 
 log = logging.getLogger("specjax.serve")
 
@@ -346,7 +346,7 @@ class Scheduler:
             check_refiner(refiner, drafter)
         else:
             refiner = None
-        model, drafter, refiner = (with_sharded_params(x, mesh) for x in (model, drafter, refiner))
+        model, drafter, refiner = (place_params(x, mesh) for x in (model, drafter, refiner))
         self.model, self.drafter, self.refiner, self.config, self.mesh = model, drafter, refiner, config, mesh
         # rapid and rapid+block keep a drafting context per slot that only their own steps advance
         # (an AR or chain step would leave it behind, or write it at full-prompt positions), so
