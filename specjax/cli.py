@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -774,15 +775,11 @@ def _start_processes(args) -> None:
 
 
 def _check_processes(args) -> None:
-    """Several processes must share one mesh over all their devices; the training commands also
-    build data and write files, which they do as one process only."""
+    """Several processes must share one mesh over all their devices; serving stays one process."""
     import jax
 
     if jax.process_count() == 1:
         return
-    if args.command.startswith("train-"):
-        raise SpecjaxError(f"{args.command} runs as one process (its data building, metrics and saving are not "
-                           f"split between processes yet); use --mesh over one host's devices")
     if args.command == "serve":
         raise SpecjaxError("serve runs as one process (one HTTP front, one scheduler); use --mesh over one "
                            "host's devices")
@@ -1113,11 +1110,19 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "command", None) == "train-lm" and not args.corpus:
         args.corpus = ["shakespeare"]
     try:
+        quiet = False
         if hasattr(args, "mesh"):
             _start_processes(args)
             _check_processes(args)
             _mesh(args)  # a mesh the devices cannot hold fails here, before any model loads
-        return args.func(args)
+            from specjax.sharding import is_writer
+
+            quiet = not is_writer()
+        if not quiet:
+            return args.func(args)
+        # Every process computes; process 0 alone prints the results (errors still go to stderr).
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            return args.func(args)
     except SpecjaxError as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ correct and only costs memory; `describe_placement` says where that happened.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Any
 
@@ -217,6 +218,41 @@ def to_host(tree):
     from jax.experimental import multihost_utils
 
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+_BARRIERS_PASSED = itertools.count()
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's files and prints its results: process 0 of a
+    multi-process run, or the only process."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str, timeout_s: int = 24 * 3600) -> None:
+    """Wait until every process reaches this barrier. It goes through the coordinator's key-value
+    service, not a device collective, so a long wait (process 0 building a run's data for hours)
+    trips no collective's timeout. With one process it returns at once."""
+    if jax.process_count() == 1:
+        return
+    from orbax.checkpoint import multihost
+
+    # Every process passes the same barriers in the same order, so a count makes each name unique
+    # even where a name repeats (a run resumed in the same process).
+    multihost.get_jax_distributed_client().wait_at_barrier(f"{name}#{next(_BARRIERS_PASSED)}",
+                                                           timeout_in_ms=timeout_s * 1000)
+
+
+def built_once(ready, build, what: str) -> None:
+    """build() on process 0 unless ready(); every process then waits for it and must see the result.
+    A multi-process run's output folder must be on a filesystem all processes share (orbax's
+    checkpoints need that too), so the others read what process 0 wrote rather than redo it."""
+    if is_writer() and not ready():
+        build()
+    barrier(f"specjax/built/{what}")
+    if not ready():
+        raise SpecjaxError(f"process {jax.process_index()} does not see {what}, which process 0 wrote: a run of "
+                           "several processes needs its --out on a filesystem every process shares")
 
 
 def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

@@ -171,6 +171,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_processes(command: list[str], tmp_path: Path, timeout: int) -> list[tuple[int, str, str]]:
+    """(return code, stdout, stderr) of each of two processes running `command` + [PORT, ID, 2, ...]."""
+    port = _free_port()
+    # Files rather than pipes: a process blocked on a full pipe would stall the other in a collective.
+    logs = [(open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, command[0], str(port), str(i), "2", *command[1:]],
+                              stdout=out, stderr=err, text=True) for i, (out, err) in enumerate(logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for p, (out, err) in zip(procs, logs):
+        out.seek(0), err.seek(0)
+        results.append((p.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    return results
+
+
+@pytest.mark.slow  # about 2 minutes: the language model run twice, then a drafter for it
+def test_two_processes_run_the_training_commands_as_one(tmp_path, capsys):
+    """`specjax train-lm` and then `specjax train-drafter` on that model, each as two processes of 4
+    CPU devices on one 8-device mesh: the same losses as one process on one device, one set of
+    files (written by process 0), results printed once."""
+    from specjax.cli import main
+    from specjax.train.loop import read_metrics
+
+    lm = ["train-lm", "--steps", "3", "--vocab-size", "300", "--seq-len", "32", "--batch-size", "8",
+          "--eval-every", "3", "--checkpoint-every", "3", "--json"]
+    drafter = ["train-drafter", "--chat-prompts", "0", "--everyday-prompts", "8", "--corpus-sequences", "8", "--seq-len", "128", "--steps", "3",
+               "--block-size", "4", "--taps", "2", "--json"]
+    # Self-distillation renders chat prompts: give the tiny model a plain chat template.
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    summaries = {}
+    assert main(lm + ["--out", str(tmp_path / "one" / "lm")]) == 0
+    summaries["lm"] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (tmp_path / "one" / "lm" / "model" / "chat_template.jinja").write_text(template)
+    assert main(drafter + ["--model", str(tmp_path / "one" / "lm" / "model"), "--out",
+                           str(tmp_path / "one" / "drafter")]) == 0
+    summaries["drafter"] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    both = tmp_path / "two"
+    for argv, name in ((lm, "lm"), (drafter + ["--model", str(both / "lm" / "model")], "drafter")):
+        (tmp_path / name).mkdir()
+        results = _run_processes([str(HERE / "multihost_cli.py"), *argv, "--mesh", "data=2,fsdp=2,model=2",
+                                  "--out", str(both / name)], tmp_path / name, timeout=550)
+        for code, _, err in results:
+            assert code == 0, err[-3000:]
+        # gloo's own connection messages ("[Gloo] Rank 0 is connected to 1 peer ranks ...") go to the C
+        # stdout of every process, unbuffered, so they can split a line; the rest is ours.
+        printed = [[line for line in out.splitlines() if line.strip() and "peer ranks" not in line]
+                   for _, out, _ in results]
+        assert len(printed[0]) == 1  # the summary, printed by process 0
+        assert printed[1] == [], printed[1][-5:]  # and by no other
+        summary = json.loads(printed[0][0])
+        for key, value in summaries[name].items():  # held-out loss, tau estimate, token counts
+            if isinstance(value, (int, float)):
+                np.testing.assert_allclose(summary[key], value, rtol=1e-5, err_msg=f"{name}: {key}")
+        run = both / name / ("run" if name == "drafter" else "")
+        one = tmp_path / "one" / name / ("run" if name == "drafter" else "")
+        losses = [[m["loss"] for m in read_metrics(folder) if "loss" in m] for folder in (one, run)]
+        assert len(losses[0]) == len(losses[1]) >= 1, name
+        np.testing.assert_allclose(losses[1], losses[0], rtol=0, atol=1e-5, err_msg=name)
+        if name == "lm":
+            (both / "lm" / "model" / "chat_template.jinja").write_text(template)
+    assert (both / "lm" / "model" / "model.safetensors").exists()
+    assert (both / "drafter" / "drafter").is_dir()
+
+
 def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job, tmp_path):
     """Two processes with 4 CPU devices each join one 8-device mesh through jax.distributed (gloo
     collectives, coordinator on 127.0.0.1): one training step and one greedy decode equal one process."""

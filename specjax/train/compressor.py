@@ -20,7 +20,7 @@ import numpy as np
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig, DrafterWindow, init_compressor_params
-from specjax.sharding import MeshConfig
+from specjax.sharding import MeshConfig, built_once, is_writer
 from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, check_taps, drafter_loss, heldout_tau,
                                    label_index_for, sample_drafter_batch)
 
@@ -130,10 +130,10 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
     from specjax.models.refiner import drafter_fingerprint
     from specjax.train.drafter import build_distillation_set
     from specjax.train.loop import LoopConfig, OptimizerConfig
+    from specjax.train.recipe import write_recipe
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    write_recipe(out_dir, recipe)
     model = load_model(model_name)
     drafter = resolve_drafter(drafter_spec, model_name)
     taps = drafter.config.target_layer_ids
@@ -142,11 +142,15 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
 
     def data(name: str, documents, count: int, seed: int):
         folder = out_dir / "data" / name
-        if (folder / "meta.json").exists():
-            return DistillationSet.open(folder)
-        windows = _long_document_windows(model.tokenizer, documents, count, recipe.seq_len, recipe.window // 2, seed)
-        return build_distillation_set(model.params, model.config, windows, folder, taps, recipe.seq_len,
-                                      teacher_labels=True, batch_size=4)
+
+        def build() -> None:
+            windows = _long_document_windows(model.tokenizer, documents, count, recipe.seq_len, recipe.window // 2,
+                                             seed)
+            build_distillation_set(model.params, model.config, windows, folder, taps, recipe.seq_len,
+                                   teacher_labels=True, batch_size=4)
+
+        built_once(lambda: (folder / "meta.json").exists(), build, f"{name} data in {folder}")
+        return DistillationSet.open(folder)
 
     train_set = data("train", train_docs, recipe.sequences, recipe.seed)
     heldout = data("heldout", heldout_docs, recipe.heldout_sequences, recipe.seed + 1)
@@ -160,8 +164,9 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
                    checkpoint_every=max(recipe.steps // 5, 1)),
         train_config, heldout=heldout, draft_vocab=drafter.draft_vocab)
     fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)
-    save_compressor(out_dir / "compressor", window, drafter.config.hidden_size, params, fingerprint,
-                    dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe)})
+    if is_writer():
+        save_compressor(out_dir / "compressor", window, drafter.config.hidden_size, params, fingerprint,
+                        dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe)})
 
     def tau(config, drafter_params):
         return heldout_tau(heldout, train_config, config, model.params, model.config, drafter.draft_vocab)(
@@ -176,5 +181,6 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
         "tau_windowed_trained": tau(windowed_config, {**drafter.params, "compressor": params}),
         "train_tokens": train_set.num_tokens,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_writer():
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -22,6 +22,7 @@ from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
 from specjax.models.transformer import forward, init_params
 from specjax.train.loop import LoopConfig, OptimizerConfig, train
+from specjax.sharding import built_once, is_writer
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -119,11 +120,11 @@ def train_language_model(
     if not train_texts or not heldout_texts:
         raise SpecjaxError("need at least one training and one held-out document")
     tokenizer_dir = out_dir / "model"
-    if (tokenizer_dir / "tokenizer.json").exists():  # a resumed run must see the same token ids
-        tokenizer = TextTokenizer.from_hf_folder(tokenizer_dir)
-    else:
-        tokenizer = train_bpe_tokenizer(train_texts, data.vocab_size)
-        tokenizer.save(tokenizer_dir)
+    # Trained once and read back by every process (and by a resumed run), so all see the same ids.
+    built_once(lambda: (tokenizer_dir / "tokenizer.json").exists(),
+               lambda: train_bpe_tokenizer(train_texts, data.vocab_size).save(tokenizer_dir),
+               f"the tokenizer in {tokenizer_dir}")
+    tokenizer = TextTokenizer.from_hf_folder(tokenizer_dir)
     config = model_config or tiny_lm_config(tokenizer.vocab_size, max_positions=max(1024, data.seq_len))
     train_stream = token_stream(tokenizer, train_texts)
     heldout_stream = token_stream(tokenizer, heldout_texts)
@@ -146,6 +147,7 @@ def train_language_model(
         loop,
         eval_fn=evaluate,
     )
-    save_hf_model(tokenizer_dir, config, params)
+    if is_writer():
+        save_hf_model(tokenizer_dir, config, params)
     summary = {"train_tokens": int(len(train_stream)), "heldout_tokens": int(len(heldout_stream)), **evaluate(params)}
     return summary

@@ -21,7 +21,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
-from specjax.sharding import MeshConfig, shard_parameters, shard_state
+from specjax.sharding import MeshConfig, barrier, is_writer, shard_parameters, shard_state, to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,10 @@ def train(
     placed by the sharding rules (FSDP slices over `fsdp`, tensor-parallel splits over `model`),
     each batch is split over `data` and `fsdp`, and checkpoints are written and read sharded, so a
     run resumes on a mesh of another shape.
+
+    With several processes (jax.distributed), every process runs this with the same arguments;
+    out_dir must be on a filesystem they share. Process 0 alone writes the metrics, and the params
+    come back whole, as numpy, on every process.
     """
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
@@ -213,10 +217,12 @@ def train(
         train_step = jax.jit(train_step, donate_argnums=(0,), out_shardings=(placed, None))
         batch_fn = _placed_batches(batch_fn, mesh)
 
-    writer = MetricsWriter(out_dir, resume_step=start)
+    # Process 0 alone writes metrics and draws the progress bar; every process computes them.
+    writer = MetricsWriter(out_dir, resume_step=start) if is_writer() else None
     base_key = jax.random.key(loop.seed)
     losses: list[float] = []
-    bar = tqdm(total=loop.steps, initial=start, desc="train", disable=not loop.progress, dynamic_ncols=True)
+    bar = tqdm(total=loop.steps, initial=start, desc="train", disable=not (loop.progress and is_writer()),
+               dynamic_ncols=True)
     started = time.perf_counter()
     try:
         for step in range(start, loop.steps):
@@ -232,17 +238,27 @@ def train(
                 record = {k: float(v) for k, v in metrics.items()}
                 record["learning_rate"] = float(schedule(step))
                 record["elapsed_s"] = time.perf_counter() - started
-                writer.write(done, record)
+                if writer is not None:
+                    writer.write(done, record)
                 bar.set_postfix(loss=f"{loss:.4f}")
             if eval_fn is not None and loop.eval_every and (done % loop.eval_every == 0 or done == loop.steps):
-                writer.write(done, {f"eval/{k}": v for k, v in eval_fn(state.params).items()})
+                evaluated = eval_fn(state.params)
+                if writer is not None:
+                    writer.write(done, {f"eval/{k}": v for k, v in evaluated.items()})
             if done % loop.checkpoint_every == 0 or done == loop.steps:
                 manager.save(done, args=ocp.args.StandardSave(_as_dict(state)))
         manager.wait_until_finished()
     finally:
         bar.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         manager.close()
+    if jax.process_count() > 1:
+        # No process can read another's slices: every process gets the whole params on its host,
+        # and reads the metrics file only once process 0 has closed it.
+        params = to_host(state.params)
+        barrier(f"specjax/trained/{out_dir}")
+        return params, losses
     return state.params, losses
 
 

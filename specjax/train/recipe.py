@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
-from specjax.sharding import MeshConfig
+from specjax.sharding import MeshConfig, built_once, is_writer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,13 @@ def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)
 
 
+def write_recipe(out_dir: Path, recipe) -> None:
+    """out_dir/recipe.json: the recipe a run was started with (written by process 0 alone)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if is_writer():
+        (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+
+
 def _coverage(data, draft_vocab) -> float:
     labels = np.asarray(data.labels)[np.asarray(data.valid)]
     return float(np.isin(labels, draft_vocab).mean()) if len(labels) else 0.0
@@ -115,8 +122,10 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                                 refill_rows=max(1, recipe.generate_batch // 4))
 
     def continuations(prompts: list[str], folder: Path, what: str):
-        if done(folder):
-            return DistillationSet.open(folder)
+        built_once(lambda: done(folder), lambda: build_continuations(prompts, folder, what), f"{what} data in {folder}")
+        return DistillationSet.open(folder)
+
+    def build_continuations(prompts: list[str], folder: Path, what: str) -> None:
         ids = [tok.encode_chat(p) for p in prompts]
         _log(f"{what}: greedy continuations of {len(ids)} prompts ({generator.batch_size} rows, refilled as they finish)")
         path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
@@ -129,8 +138,8 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             raise SpecjaxError(f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
                                f"(half of the sequence length {recipe.seq_len}); raise --seq-len")
         sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
-        return build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
-                                      teacher_labels=False)
+        build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
+                               teacher_labels=False)
 
     train_docs, _ = load_split(recipe.corpora)
     sets = []
@@ -146,20 +155,22 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             sets.append(continuations(make(count, recipe.seed), out_dir / name, f"{name} tasks"))
     heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
     corpus_dir = out_dir / "corpus"
+
+    def build_corpus() -> None:
+        rng = np.random.default_rng(recipe.seed)
+        windows = []
+        stream_docs = [d for d in train_docs if len(d.text) > 4 * recipe.seq_len * 4]
+        for _ in range(recipe.corpus_sequences):
+            doc = stream_docs[rng.integers(len(stream_docs))]
+            start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
+            ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
+            windows.append((ids[: recipe.seq_len], 1))
+        build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
+                               teacher_labels=True)
+
     if recipe.corpus_sequences:
-        if done(corpus_dir):
-            sets.append(DistillationSet.open(corpus_dir))
-        else:
-            rng = np.random.default_rng(recipe.seed)
-            windows = []
-            stream_docs = [d for d in train_docs if len(d.text) > 4 * recipe.seq_len * 4]
-            for _ in range(recipe.corpus_sequences):
-                doc = stream_docs[rng.integers(len(stream_docs))]
-                start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
-                ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
-                windows.append((ids[: recipe.seq_len], 1))
-            sets.append(build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
-                                               teacher_labels=True))
+        built_once(lambda: done(corpus_dir), build_corpus, f"corpus data in {corpus_dir}")
+        sets.append(DistillationSet.open(corpus_dir))
     return sets, heldout
 
 
@@ -178,8 +189,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     model = load_model(model_name, recipe.dtype)
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
                                       num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
-    (out_dir).mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    write_recipe(out_dir, recipe)
     sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids)
     if data_only:
         return {"train_tokens": sum(s.num_tokens for s in sets), "heldout_tokens": heldout.num_tokens}
@@ -210,7 +220,8 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
         init_params=params,
         draft_vocab=draft_vocab,
     )
-    save_drafter(out_dir / "drafter", config, params, model.config, dtype="bfloat16", draft_vocab=draft_vocab)
+    if is_writer():
+        save_drafter(out_dir / "drafter", config, params, model.config, dtype="bfloat16", draft_vocab=draft_vocab)
     evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_estimate" in m]
     return {"drafter": str(out_dir / "drafter"), "tau_estimate": evals[-1]["eval/tau_estimate"] if evals else None,
             "train_tokens": sum(s.num_tokens for s in sets)}

@@ -15,7 +15,6 @@ Loss: cross-entropy against the target's tokens, weighted by exp(-(k-1)/gamma) o
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -26,7 +25,7 @@ import numpy as np
 import optax
 
 from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
-from specjax.sharding import MeshConfig
+from specjax.sharding import MeshConfig, is_writer
 from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
 from specjax.models.refiner import (RefinerConfig, draft_confidence, drafter_fingerprint, init_refiner_params,
@@ -246,15 +245,14 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
     from specjax.io.refiner import save_refiner
     from specjax.io.registry import load_model, resolve_drafter
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
-    from specjax.train.recipe import DistillRecipe, build_data
+    from specjax.train.recipe import DistillRecipe, build_data, write_recipe
 
     out_dir = Path(out_dir)
     model = load_model(model_name)
     drafter = resolve_drafter(drafter_spec, model_name)
     from specjax.io.dflash import check_pair
     check_pair(drafter, model.config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
+    write_recipe(out_dir, recipe)
     sets, heldout = build_data(model, DistillRecipe(chat_prompts=recipe.chat_prompts,
                                                     corpus_sequences=recipe.corpus_sequences,
                                                     everyday_prompts=recipe.everyday_prompts, seed=recipe.seed),
@@ -274,8 +272,10 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
     )
     evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_fixed_point" in m]
     last = evals[-1] if evals else {}
-    save_refiner(out_dir / "refiner", config, params, drafter_fingerprint(drafter.params, drafter.draft_vocab),
-                 dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe), "drafter": drafter_spec,
-                                          **{k.removeprefix("eval/"): v for k, v in last.items() if k.startswith("eval/")}})
+    if is_writer():
+        save_refiner(out_dir / "refiner", config, params, drafter_fingerprint(drafter.params, drafter.draft_vocab),
+                     dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe), "drafter": drafter_spec,
+                                              **{k.removeprefix("eval/"): v for k, v in last.items()
+                                                 if k.startswith("eval/")}})
     return {"refiner": str(out_dir / "refiner"), **{k.removeprefix("eval/"): v for k, v in last.items()
                                                     if k.startswith("eval/")}}
