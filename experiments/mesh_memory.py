@@ -58,8 +58,8 @@ def abstract(tree, dtype=None):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype), tree)
 
 
-def rules_bytes(params, mesh) -> int:
-    return sum(row["bytes_per_device"] for row in describe_placement(params, mesh))
+def rules_bytes(params, mesh, head_dim=None) -> int:
+    return sum(row["bytes_per_device"] for row in describe_placement(params, mesh, head_dim))
 
 
 def split_of(spec, mesh) -> int:
@@ -74,7 +74,7 @@ def split_of(spec, mesh) -> int:
 def decode_check(config, mesh_text: str, slots: int, context: int) -> dict:
     mesh = MeshConfig.parse(mesh_text).build()
     params = abstract(jax.eval_shape(lambda: init_params(config, jax.random.key(0))), jnp.bfloat16)
-    params = shard_parameters(params, mesh)
+    params = shard_parameters(params, mesh, config.head_dim)  # as the Engine places them (place_params)
     cache = jax.eval_shape(lambda: KVCache.zeros(config, slots, context))
 
     def placed(path, leaf):
@@ -94,7 +94,7 @@ def decode_check(config, mesh_text: str, slots: int, context: int) -> dict:
     compiled = jax.jit(step, donate_argnums=1, out_shardings=pinned).lower(params, cache, rows, lengths).compile()
     analysis = compiled.memory_analysis()
     cache_spec = cache.keys[0].sharding.spec
-    weights = rules_bytes(params, mesh)
+    weights = rules_bytes(params, mesh, config.head_dim)
     kv = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache)) // split_of(cache_spec, mesh)
     small = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * 4 for a in (rows, lengths))
     return {"mesh": mesh_text, "weights_gib": weights / GIB, "kv_gib": kv / GIB, "kv_spec": str(cache_spec),

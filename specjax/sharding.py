@@ -150,14 +150,19 @@ def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
-def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
+def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: dict[str, int],
+             head_dim: int | None = None) -> PartitionSpec:
     """The PartitionSpec of an array with these logical axes. A dimension takes the longest leading
     run of its mesh axes whose sizes divide it (a batch of 6 on data=2,fsdp=2 splits over data
-    alone), or stays whole; a mesh axis already used by an earlier dimension is skipped."""
+    alone), or stays whole; a mesh axis already used by an earlier dimension is skipped.
+    head_dim: a `heads` dimension (heads x head_dim features) splits only between whole heads, so a
+    device's slice of a projection matches its slice of the KV cache (3 KV heads stay whole on 2)."""
     used: set[str] = set()
     entries = []
     for size, name in zip(shape, axes):
         mesh_axes = tuple(a for a in LOGICAL_AXIS_RULES.get(name, ()) if a not in used and mesh_shape.get(a, 1) > 1)
+        if name == "heads" and head_dim and size % head_dim == 0:
+            size //= head_dim
         while mesh_axes and size % int(np.prod([mesh_shape[a] for a in mesh_axes])):
             mesh_axes = mesh_axes[:-1]
         if not mesh_axes:
@@ -168,18 +173,21 @@ def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: d
     return PartitionSpec(*entries)
 
 
-def parameter_specs(params, mesh: Mesh) -> Any:
-    """A PartitionSpec per parameter leaf, from PARAMETER_AXES and LOGICAL_AXIS_RULES."""
+def parameter_specs(params, mesh: Mesh, head_dim: int | None = None) -> Any:
+    """A PartitionSpec per parameter leaf, from PARAMETER_AXES and LOGICAL_AXIS_RULES (head_dim:
+    see spec_for)."""
     mesh_shape = dict(mesh.shape)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec_for(tuple(leaf.shape), logical_axes(_path_string(path), leaf.ndim), mesh_shape),
+        lambda path, leaf: spec_for(tuple(leaf.shape), logical_axes(_path_string(path), leaf.ndim), mesh_shape,
+                                    head_dim),
         params)
 
 
-def shard_parameters(params, mesh: Mesh):
+def shard_parameters(params, mesh: Mesh, head_dim: int | None = None):
     """params placed on the mesh by the rules (works on abstract ShapeDtypeStructs too: it then
-    returns them with their shardings attached)."""
-    specs = parameter_specs(params, mesh)
+    returns them with their shardings attached). head_dim: attention projections split between
+    whole heads only (see spec_for)."""
+    specs = parameter_specs(params, mesh, head_dim)
 
     def place(leaf, spec):
         sharding = NamedSharding(mesh, spec)
@@ -196,7 +204,8 @@ def place_params(loaded, mesh: Mesh | None):
     so no device ever holds more than its share; None passes through."""
     if loaded is None:
         return loaded
-    params = jax.device_put(loaded.params) if mesh is None else shard_parameters(loaded.params, mesh)
+    head_dim = getattr(loaded.config, "head_dim", None)
+    params = jax.device_put(loaded.params) if mesh is None else shard_parameters(loaded.params, mesh, head_dim)
     return dataclasses.replace(loaded, params=params)
 
 
@@ -272,7 +281,7 @@ def shard_state(tree, mesh: Mesh):
         tree)
 
 
-def describe_placement(params, mesh: Mesh) -> list[dict]:
+def describe_placement(params, mesh: Mesh, head_dim: int | None = None) -> list[dict]:
     """Per parameter: its path, shape, spec and bytes per device, with the dimensions a rule wanted
     split but the mesh axis did not divide (kept whole)."""
     mesh_shape = dict(mesh.shape)
@@ -280,7 +289,7 @@ def describe_placement(params, mesh: Mesh) -> list[dict]:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = _path_string(path)
         axes = logical_axes(name, leaf.ndim)
-        spec = spec_for(tuple(leaf.shape), axes, mesh_shape)
+        spec = spec_for(tuple(leaf.shape), axes, mesh_shape, head_dim)
         split = 1
         for entry in spec:
             for axis in (entry,) if isinstance(entry, str) else (entry or ()):

@@ -42,7 +42,13 @@ def test_rules_follow_the_megatron_layout_and_keep_indivisible_dimensions_whole(
     assert rule("layers_0/mlp/down_proj/kernel", (1536, 576)) == P("model", "fsdp")
     assert rule("embed_tokens/embedding", (49152, 576)) == P("model", "fsdp")
     assert rule("layers_0/input_layernorm/scale", (576,)) == P(None)
-    assert rule("layers_0/self_attn/k_proj/kernel", (576, 3)) == P("fsdp", None)  # 3 heads: not over 2
+    assert rule("layers_0/self_attn/k_proj/kernel", (576, 3)) == P("fsdp", None)  # 3 features: not over 2
+    # With the head size known, projections split between whole heads only: 3 KV heads of 64 stay
+    # whole on model=2 (as the KV cache's heads do), though 192 features would divide.
+    k_proj = logical_axes("layers_0/self_attn/k_proj/kernel", 2)
+    assert spec_for((576, 192), k_proj, mesh) == P("fsdp", "model")
+    assert spec_for((576, 192), k_proj, mesh, head_dim=64) == P("fsdp", None)
+    assert spec_for((576, 256), k_proj, mesh, head_dim=64) == P("fsdp", "model")  # 4 heads
     assert rule("mixer/GRUCell_0/hn/kernel", (128, 128)) == P(None, None)  # unlisted: replicated
     # The batch takes data and fsdp together, data alone when only it divides, or neither.
     assert spec_for((8, 16), ("batch", None), mesh) == P(("data", "fsdp"), None)
@@ -96,7 +102,8 @@ def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, 
     rows, cols = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"].shape
     for mesh in meshes:
         config = MeshConfig.parse(mesh)  # q_proj is [embed / fsdp, heads / model] on each device
-        assert outputs[mesh]["q_proj_shard"] == [rows // config.fsdp, cols // config.model], mesh
+        heads_split = config.model if target.config.num_heads % config.model == 0 else 1  # whole heads only
+        assert outputs[mesh]["q_proj_shard"] == [rows // config.fsdp, cols // heads_split], mesh
         for method in methods:
             assert outputs[mesh][method] == reference[method], (mesh, method)
         # The server's 4 slots split over data and fsdp (as far as they divide 4), KV heads over model.
