@@ -256,25 +256,11 @@ def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job,
     path, payload = job
     with open(tmp_path / "job.pkl", "wb") as f:
         pickle.dump(payload, f)
-    port = _free_port()
-    # Files rather than pipes: a process blocked on a full pipe would stall the other in a collective.
-    logs = [(open(tmp_path / f"out{i}.txt", "w+"), open(tmp_path / f"err{i}.txt", "w+")) for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_run.py"), str(port), str(i), "2", str(tmp_path)],
-                              stdout=out, stderr=err, text=True) for i, (out, err) in enumerate(logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=450)  # each child also ends itself after 400 s (faulthandler)
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for out, err in logs:
-        out.seek(0), err.seek(0)
-        results.append((out.read(), err.read()))
-        out.close(), err.close()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    result = json.loads(results[0][0].strip().splitlines()[-1])
+    # Each child also ends itself after 400 s (faulthandler).
+    results = _run_processes([str(HERE / "multihost_run.py"), str(tmp_path)], tmp_path, timeout=450)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    result = json.loads(results[0][1].strip().splitlines()[-1])
     assert (result["devices"], result["local_devices"]) == (8, 4)
     _, reference_losses = run(tmp_path / "one-process", 1, None)
     np.testing.assert_allclose(result["losses"], reference_losses, rtol=0, atol=1e-5)

@@ -259,18 +259,14 @@ class Engine:
             retrieval_length=(_round_up(max(retrieval_bucket, redraft.max_prompt_tokens if redraft else 0)
                                         + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0),
         )
-        tokens = np.zeros((len(prompts), bucket), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
+        tokens = slot_api.token_rows(prompts, bucket)
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
         if spec.needs_drafter and shape.denoise_steps > 1:  # several denoising passes: the chain's own loop
             return self._with_precision(self._generate_chain(shape, args))
         retrieval = None
         if spec.needs_retrieval:
-            padded = np.zeros((len(prompts), retrieval_bucket), np.int32)
-            for i, p in enumerate(retrieval_prompts):
-                padded[i, : len(p)] = p
+            padded = slot_api.token_rows(retrieval_prompts, retrieval_bucket)
             retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in retrieval_prompts], np.int32)))
         if shape.sync_every:
             stream_every = shape.sync_every
@@ -513,10 +509,9 @@ class Engine:
             return state, 0
         # One compiled refresh per width: the rows are padded to the batch (out-of-range rows drop).
         width = min(_round_up(max(map(len, prompts)), self.prompt_bucket), shape.retrieval_length)
-        padded = np.zeros((shape.batch, width), np.int32)
+        padded = slot_api.token_rows(prompts, width, shape.batch)
         lengths = np.ones(shape.batch, np.int32)
-        for i, prompt in enumerate(prompts):
-            padded[i, : len(prompt)], lengths[i] = prompt, len(prompt)
+        lengths[: len(prompts)] = [len(prompt) for prompt in prompts]
         row_ids = np.full(shape.batch, shape.batch, np.int32)
         row_ids[: len(refreshed)] = refreshed
         state = slot_api.refresh_drafting(parts, state, jnp.asarray(row_ids), jnp.asarray(padded), jnp.asarray(lengths),

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.decode.autoregressive import _eos_array, prefill
@@ -212,6 +213,15 @@ class SlotStatics:
     def step_writes(self) -> int:
         """Most cache slots one verify step writes past a row's length: the block, or the largest tree."""
         return max((self.block,) + self.tree_buckets)
+
+
+def token_rows(rows: Sequence[Sequence[int]], width: int, count: int | None = None) -> np.ndarray:
+    """[count, width] int32: each row's tokens from the left, zeros after them and in the rows past
+    len(rows) (count defaults to len(rows)); the batch-major input of an insert or refresh."""
+    out = np.zeros((len(rows) if count is None else count, width), np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 def empty_slots(statics: SlotStatics) -> SlotState:

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -310,6 +310,27 @@ class _Live:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.prompt)
+
+
+class _Synced(NamedTuple):
+    """What one host sync reads from the slot state, as numpy, one row per slot."""
+
+    tokens: Any
+    """[S, N + block] committed generated tokens."""
+    counts: Any
+    """[S] committed generated tokens per row."""
+    done: Any
+    """[S] finished or empty."""
+    steps: Any
+    """[S] verify steps the row took part in."""
+    histogram: Any
+    """[S, block] verify steps by drafts accepted."""
+    lengths: Any
+    """[S] filled target cache slots."""
+    drafted: Any
+    """[S] draft tokens checked."""
+    drafting_lengths: Any
+    """[S] drafting-context slots (rapid, rapid+block), or None."""
 
 
 class Scheduler:
@@ -987,22 +1008,17 @@ class Scheduler:
             width = max(self._bucket_for(len(t)) for t in takes)
             rows = next(size for size in self.insert_sizes if size >= len(batch))
             key, offsets = (width, rows), None
-        tokens = np.zeros((rows, width), np.int32)
+        tokens = slot_api.token_rows(takes, width, rows)
         requests = [live.handle.request for _, live in batch]
         lives = [live for _, live in batch]
         pad = rows - len(batch)
-        for i, take in enumerate(takes):
-            tokens[i, : len(take)] = take
         drafting = None
         if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0)
             drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
             longest = max(map(len, drafts_from))
             drafting_width = min(next((b for b in self.prompt_buckets if b >= longest), longest),
                                  self.statics.retrieval_length)
-            padded = np.zeros((rows, drafting_width), np.int32)
-            for i, take in enumerate(drafts_from):
-                padded[i, : len(take)] = take
-            drafting = (padded, [len(t) for t in drafts_from])
+            drafting = (slot_api.token_rows(drafts_from, drafting_width), [len(t) for t in drafts_from])
             key = None  # compiled on first use (see compile)
         insert = self._insert_request(
             [slot for slot, _ in batch] + [self.config.slots] * pad, tokens, [len(t) for t in takes] + [1] * pad,
@@ -1050,16 +1066,17 @@ class Scheduler:
         """One host sync: stream new tokens, finish rows that ended, report metrics. step: (start
         time, attention length, rows) of the device call being synced, None after prefills alone."""
         state = self._state
-        synced = jax.device_get(
-            (state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
-             state.drafted))
+        # One transfer for everything the sync reads (the drafting contexts' lengths too, when kept).
+        synced = jax.device_get(_Synced(
+            state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
+            state.drafted, state.retrieval_lengths if self.drafts_from_retrieval else None))
         now = time.perf_counter()
         if step is not None:
-            self._report_step(now - step[0], step[1], step[2], synced[3], synced[6], step[3])
+            self._report_step(now - step[0], step[1], step[2], synced.steps, synced.drafted, step[3])
             self._observe_call(now - step[0], step[1], step[2], step[3], synced)
-        self._lengths[:] = synced[5]
+        self._lengths[:] = synced.lengths
         if self.drafts_from_retrieval:
-            self._drafting_lengths[:] = jax.device_get(state.retrieval_lengths)
+            self._drafting_lengths[:] = synced.drafting_lengths
         for slot, live in list(self._live.items()):
             if live.prefilling:
                 continue
@@ -1067,15 +1084,15 @@ class Scheduler:
                 self._sync_slot(slot, live, synced, now)
             except Exception as error:  # noqa: BLE001 - one request's failure (say, its detokenizing) is its own
                 log.exception("request %d failed", live.handle.id)
-                self._finish(slot, live, "error", now, synced[3][slot], synced[4][slot],
+                self._finish(slot, live, "error", now, synced.steps[slot], synced.histogram[slot],
                              error=f"{type(error).__name__}: {error}")
-        self._report_memory(synced[5])
+        self._report_memory(synced.lengths)
         self.metrics.tick()
 
     def _observe_call(self, seconds: float, attend: int, rows: int, policy: str, synced) -> None:
         """Tell the controller what the call did: committed tokens, row steps and, for chains, how
         often each draft position was verified and accepted (within each row's draft limit)."""
-        _, counts, _, steps, histogram, _, _ = synced
+        counts, steps, histogram = synced.counts, synced.steps, synced.histogram
         drafts = self.controller.drafts.get(policy)
         width = max(self.statics.block - 1, 0)
         reached, verified = np.zeros(width), np.zeros(width)
@@ -1102,7 +1119,8 @@ class Scheduler:
             self.metrics.measured_tokens_per_step(committed * decoding / row_steps)
 
     def _sync_slot(self, slot: int, live: _Live, synced, now: float) -> None:
-        tokens, counts, done, steps, histogram, _, drafted = synced
+        tokens, counts, done, steps, histogram, drafted = (synced.tokens, synced.counts, synced.done, synced.steps,
+                                                           synced.histogram, synced.drafted)
         request = live.handle.request
         tokenizer = self.model.tokenizer
         block = self.statics.block
