@@ -24,6 +24,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from specjax.decode.engine import Engine  # noqa: E402
+from specjax.decode.rapid import RapidConfig, Redraft  # noqa: E402
 from specjax.decode.tree import TreeConfig  # noqa: E402
 from specjax.io.dflash import LoadedDrafter  # noqa: E402
 from specjax.io.registry import LoadedModel  # noqa: E402
@@ -48,6 +49,15 @@ def main(job_path: str) -> None:
             options = {"tree": TreeConfig(budget=job["tree_budget"])} if method == "tree" else {}
             out = engine.generate(job["prompts"], job["max_new_tokens"], method=method, **options)
             results[mesh_text][method] = out.tokens
+        if job.get("redraft"):
+            # rapid from an unrelated drafting prompt, re-retrieving (here: the whole prompt) every 4 tokens.
+            prompts = job["prompts"]
+            redraft = Redraft(every=4, prompt_for=lambda row, generated: prompts[row],
+                              max_prompt_tokens=max(map(len, prompts)))
+            out = engine.generate(prompts, job["max_new_tokens"], method="rapid", rapid=RapidConfig(drafts=3),
+                                  retrieval_prompts=[[5]] * len(prompts), redraft=redraft)
+            results[mesh_text]["rapid+redraft"] = out.tokens
+            results[mesh_text]["redrafts"] = out.stats["redrafts"]
         for method in job.get("serve", ()):
             config = ServeConfig(method=method, slots=4, context_length=64, max_new_tokens=job["max_new_tokens"],
                                  steps_per_sync=3, prompt_bucket=16)

@@ -67,9 +67,10 @@ def job(target, drafter, tmp_path_factory):
     return path, job
 
 
-def _run_child(path: Path, job: dict, meshes, methods, serve=()) -> dict:
+def _run_child(path: Path, job: dict, meshes, methods, serve=(), redraft=False) -> dict:
     with open(path, "wb") as f:
-        pickle.dump({**job, "meshes": list(meshes), "methods": list(methods), "serve": list(serve)}, f)
+        pickle.dump({**job, "meshes": list(meshes), "methods": list(methods), "serve": list(serve),
+                     "redraft": redraft}, f)
     done = subprocess.run([sys.executable, str(HERE / "sharded_decode.py"), str(path)], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -93,12 +94,13 @@ def _one_device(target, drafter, job, methods) -> dict:
                                     pytest.param(("model=8", "data=4,model=2", "fsdp=8"), marks=pytest.mark.slow)],
                          ids=["dp-fsdp-tp", "more-meshes"])
 def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, meshes):
-    """Engine decoding (ar, chain, tree) and the serving scheduler (chain, 4 slots) over a mesh give
-    the one-device tokens, with weights, slots and KV heads really split."""
+    """Engine decoding (ar, chain, tree, and rapid re-retrieving its drafting context) and the
+    serving scheduler (chain, 4 slots) over a mesh give the one-device tokens, with weights, slots
+    and KV heads really split."""
     methods = ("ar", "chain", "tree")
     reference = _one_device(target, drafter, job[1], methods)
     assert reference["chain"] == reference["ar"] == reference["tree"]
-    outputs = _run_child(*job, meshes, methods, serve=("chain",))
+    outputs = _run_child(*job, meshes, methods, serve=("chain",), redraft=True)
     rows, cols = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"].shape
     for mesh in meshes:
         config = MeshConfig.parse(mesh)  # q_proj is [embed / fsdp, heads / model] on each device
@@ -106,6 +108,8 @@ def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, 
         assert outputs[mesh]["q_proj_shard"] == [rows // config.fsdp, cols // heads_split], mesh
         for method in methods:
             assert outputs[mesh][method] == reference[method], (mesh, method)
+        # rapid with re-retrieval: refreshed drafting contexts keep the mesh's layout; output is AR's.
+        assert outputs[mesh]["rapid+redraft"] == reference["ar"] and outputs[mesh]["redrafts"] >= 1, mesh
         # The server's 4 slots split over data and fsdp (as far as they divide 4), KV heads over model.
         assert outputs[mesh]["serve:chain"] == reference["chain"], mesh
         slots, length, heads, dim = outputs[mesh]["serve:chain:kv_shape"]

@@ -215,8 +215,6 @@ class Engine:
             self.validate(retrieval_prompts, max_new_tokens)
         if redraft is not None and not spec.needs_retrieval:
             raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
-        if redraft is not None and self.mesh is not None:
-            raise SpecjaxError("re-retrieval (redraft) does not run over a mesh yet; decode on one device")
         if spec.needs_tree and tree.auto and jax.process_count() > 1:
             # Each process would time the verify passes on its own clock, and processes that pick
             # different tree sizes would stop agreeing on the program.
@@ -387,10 +385,12 @@ class Engine:
             loop = slot_api.step if shape.streaming else slot_api.run_to_end
             insert_fn = jax.jit(partial(slot_api.insert, statics=statics), donate_argnums=1, **pinned)
             run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), donate_argnums=1, **pinned)
+            # Re-retrieval's refresh: one trace per drafting-prompt width, on first use.
+            refresh_fn = jax.jit(partial(slot_api.refresh_drafting, statics=statics), donate_argnums=1, **pinned)
             self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
-                                     run_fn.lower(parts, state).compile())
+                                     run_fn.lower(parts, state).compile(), refresh_fn)
             compile_s = time.perf_counter() - start
-        insert, run = self._compiled[shape]
+        insert, run, refresh = self._compiled[shape]
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
         prefill_s = time.perf_counter() - start
@@ -406,7 +406,7 @@ class Engine:
                 due = [] if redraft is None else [i for i in range(batch) if not done[i] and counts[i] >= next_redraft[i]]
                 if due:
                     started = time.perf_counter()
-                    state, refreshed = self._redraft(shape, statics, parts, state, redraft, due, tokens, counts)
+                    state, refreshed = self._redraft(shape, refresh, parts, state, redraft, due, tokens, counts)
                     redraft_s += time.perf_counter() - started
                     redrafts += refreshed
                     next_redraft[due] = (counts[due] // redraft.every + 1) * redraft.every
@@ -488,7 +488,7 @@ class Engine:
             stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.retrieval_length))
         return GenerationResult(rows, stats)
 
-    def _redraft(self, shape: DecodeRequestShape, statics, parts, state, redraft: Redraft, rows: list[int],
+    def _redraft(self, shape: DecodeRequestShape, refresh, parts, state, redraft: Redraft, rows: list[int],
                  tokens, counts):
         """Rebuild the drafting contexts of `rows`: each row's new drafting prompt, then its generated
         tokens before last_token (already in its caches). Returns (state, rows refreshed). A prompt
@@ -514,8 +514,7 @@ class Engine:
         lengths[: len(prompts)] = [len(prompt) for prompt in prompts]
         row_ids = np.full(shape.batch, shape.batch, np.int32)
         row_ids[: len(refreshed)] = refreshed
-        state = slot_api.refresh_drafting(parts, state, jnp.asarray(row_ids), jnp.asarray(padded), jnp.asarray(lengths),
-                                          statics=statics)
+        state = refresh(parts, state, self._placed(row_ids), self._placed(padded), self._placed(lengths))
         return jax.block_until_ready(state), len(refreshed)
 
     def _phase_seconds(self, shape: DecodeRequestShape, statics, parts) -> dict:
