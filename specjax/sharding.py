@@ -281,6 +281,17 @@ def shard_state(tree, mesh: Mesh):
         tree)
 
 
+def build_state(make, mesh: Mesh | None):
+    """make() -> a decode state (batch-major leaves), built where it lives: over a mesh each device
+    allocates only its own slices (by state_spec), so a state larger than one device still fits."""
+    if mesh is None:
+        return make()
+    abstract = jax.eval_shape(make)
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, state_spec(_path_string(path), leaf.shape, mesh)), abstract)
+    return jax.jit(make, out_shardings=shardings)()
+
+
 def describe_placement(params, mesh: Mesh, head_dim: int | None = None) -> list[dict]:
     """Per parameter: its path, shape, spec and bytes per device, with the dimensions a rule wanted
     split but the mesh axis did not divide (kept whole)."""

@@ -28,7 +28,7 @@ from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
-from specjax.sharding import shard_state, to_host, place_params
+from specjax.sharding import build_state, place_params, shard_state, to_host
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
@@ -373,9 +373,9 @@ class Engine:
                                           full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
             retrieval_prompts=None if retrieval is None else retrieval[0],
             retrieval_prompt_lengths=None if retrieval is None else retrieval[1])
-        state = slot_api.empty_slots(statics)
+        state = build_state(partial(slot_api.empty_slots, statics), self.mesh)
         if self.mesh is not None:
-            state, request = shard_state(state, self.mesh), shard_state(request, self.mesh)
+            request = shard_state(request, self.mesh)
         compile_s = 0.0
         if shape not in self._compiled:
             start = time.perf_counter()

@@ -46,7 +46,7 @@ from specjax.decode.memory import target_kv_bytes
 from specjax.decode.roofline import StepShape, measure_peaks, step_work
 from specjax.monitor.serving import ServingMetrics
 from specjax.serve.controller import Controller, ControllerConfig, Decision, HeldRow, relieve_memory
-from specjax.sharding import shard_state, place_params
+from specjax.sharding import build_state, place_params, shard_state
 
 log = logging.getLogger("specjax.serve")
 
@@ -503,8 +503,8 @@ class Scheduler:
         return latency
 
     def _fresh_state(self) -> slot_api.SlotState:
-        """Every slot free, placed on the mesh when there is one."""
-        return self._placed(slot_api.empty_slots(self.statics))
+        """Every slot free, built on the mesh's devices when there is one."""
+        return build_state(partial(slot_api.empty_slots, self.statics), self.mesh)
 
     def _placed(self, batch_major):
         """A slot state or insert request (every leaf batch-major) in the mesh's layout."""
@@ -564,7 +564,7 @@ class Scheduler:
         filled = max(1, min(attend // 2, attend - self.config.steps_per_sync * self.step_slack - 1))
         costs = {}
         with self._device_lock:
-            scratch = slot_api.empty_slots(self.statics)
+            scratch = self._fresh_state()
             scratch = self._placed(scratch.replace(
                 lengths=jnp.full_like(scratch.lengths, filled), done=jnp.zeros_like(scratch.done),
                 max_new_tokens=jnp.full_like(scratch.max_new_tokens, self.config.max_new_tokens)))

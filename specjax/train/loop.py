@@ -179,9 +179,15 @@ def train(
     tx = make_optimizer(optimizer)
     schedule = make_schedule(optimizer)
     mesh = loop.mesh.build() if loop.mesh.size > 1 else None
-    state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
-    if mesh is not None:  # moments follow their parameters' rules (same paths); the step is replicated
-        state = shard_parameters(state, mesh)
+    if mesh is None:
+        state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
+    else:
+        # Moments follow their parameters' rules (same paths) and are made on their devices, never
+        # whole on one (they are twice the weights); the step counter is replicated.
+        params = shard_parameters(init_params, mesh)
+        moments = shard_parameters(jax.eval_shape(tx.init, params), mesh)
+        opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda a: a.sharding, moments))(params)
+        state = shard_parameters(TrainState(step=jnp.int32(0), params=params, opt_state=opt_state), mesh)
 
     manager = ocp.CheckpointManager(
         out_dir / "checkpoints",
