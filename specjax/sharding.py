@@ -264,6 +264,16 @@ def built_once(ready, build, what: str) -> None:
                            "several processes needs its --out on a filesystem every process shares")
 
 
+def same_on_every_process(tree):
+    """tree (arrays) as process 0 has it, on every process: for inputs that must agree everywhere
+    but come from each process's own measurements (timed costs). One process: tree itself."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
 def state_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """A decode state leaf's spec: batch-major (slots or rows first) over data and fsdp; KV caches
     ([B, S, K, D], under a path naming a cache) also split their K heads over model, as the

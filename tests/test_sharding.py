@@ -203,11 +203,19 @@ def _run_processes(command: list[str], tmp_path: Path, timeout: int) -> list[tup
     return results
 
 
-@pytest.mark.slow  # about 2 minutes: the language model run twice, then a drafter for it
+def _printed(results) -> list[list[str]]:
+    """Each process's own stdout lines. gloo's connection messages ("[Gloo] Rank 0 is connected to 1
+    peer ranks ...") go to every process's C stdout unbuffered, so they can split a line: dropped."""
+    return [[line for line in out.splitlines() if line.strip() and "peer ranks" not in line]
+            for _, out, _ in results]
+
+
+@pytest.mark.slow  # about 2 minutes: the language model run twice, then a drafter for it, then a decode
 def test_two_processes_run_the_training_commands_as_one(tmp_path, capsys):
     """`specjax train-lm` and then `specjax train-drafter` on that model, each as two processes of 4
     CPU devices on one 8-device mesh: the same losses as one process on one device, one set of
-    files (written by process 0), results printed once."""
+    files (written by process 0), results printed once. Then the pair decodes with auto-sized trees
+    over the two processes."""
     from specjax.cli import main
     from specjax.train.loop import read_metrics
 
@@ -231,10 +239,7 @@ def test_two_processes_run_the_training_commands_as_one(tmp_path, capsys):
                                   "--out", str(both / name)], tmp_path / name, timeout=550)
         for code, _, err in results:
             assert code == 0, err[-3000:]
-        # gloo's own connection messages ("[Gloo] Rank 0 is connected to 1 peer ranks ...") go to the C
-        # stdout of every process, unbuffered, so they can split a line; the rest is ours.
-        printed = [[line for line in out.splitlines() if line.strip() and "peer ranks" not in line]
-                   for _, out, _ in results]
+        printed = _printed(results)
         assert len(printed[0]) == 1  # the summary, printed by process 0
         assert printed[1] == [], printed[1][-5:]  # and by no other
         summary = json.loads(printed[0][0])
@@ -250,6 +255,21 @@ def test_two_processes_run_the_training_commands_as_one(tmp_path, capsys):
             (both / "lm" / "model" / "chat_template.jinja").write_text(template)
     assert (both / "lm" / "model" / "model.safetensors").exists()
     assert (both / "drafter" / "drafter").is_dir()
+    # The trained pair decodes with auto-sized trees over the two processes (each times its own
+    # verify passes; all use process 0's costs) and prints AR's tokens once.
+    generate = ["generate", "--model", str(both / "lm" / "model"), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "12",
+                "--ignore-eos", "--json"]
+    assert main(generate + ["--method", "ar"]) == 0
+    expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (tmp_path / "generate").mkdir()
+    results = _run_processes([str(HERE / "multihost_cli.py"), *generate, "--method", "tree", "--drafter",
+                              str(both / "drafter" / "drafter"), "--mesh", "data=2,model=4"], tmp_path / "generate",
+                             timeout=550)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    printed = _printed(results)
+    assert printed[1] == [] and len(printed[0]) == 1
+    assert json.loads(printed[0][0])["tokens"] == expected["tokens"]
 
 
 def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job, tmp_path):

@@ -28,7 +28,7 @@ from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
 from specjax.decode.tree import TreeConfig, measure_tree_latency, tree_latency_key
 from specjax.errors import SpecjaxError
-from specjax.sharding import build_state, place_params, shard_state, to_host
+from specjax.sharding import build_state, place_params, same_on_every_process, shard_state, to_host
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
@@ -215,11 +215,6 @@ class Engine:
             self.validate(retrieval_prompts, max_new_tokens)
         if redraft is not None and not spec.needs_retrieval:
             raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
-        if spec.needs_tree and tree.auto and jax.process_count() > 1:
-            # Each process would time the verify passes on its own clock, and processes that pick
-            # different tree sizes would stop agreeing on the program.
-            raise SpecjaxError("auto-sized trees are timed on each process; over several processes give a fixed "
-                               "tree size (--tree-budget N / TreeConfig(budget=N))")
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -361,7 +356,8 @@ class Engine:
                 latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
             parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
                                         None if shape.refine is None else self.refiner.params,
-                                        None if latency is None else latency.costs())
+                                        # Every process times its own passes: all size trees by process 0's.
+                                        None if latency is None else same_on_every_process(latency.costs()))
         else:
             parts = slot_api.slot_parts(statics, target_params)
         full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
@@ -528,7 +524,7 @@ class Engine:
                                 shape.tree, self.drafter.config.block_size, shape.refine is not None)
 
     def _save_latency(self, shape: DecodeRequestShape, latency: LatencyModel) -> None:
-        if self.latency_cache is not None:
+        if self.latency_cache is not None and jax.process_count() == 1:  # see _latency_model
             latency.save(self._latency_key(shape), self.latency_cache)
 
     def _latency_model(self, shape: DecodeRequestShape, target_params, draft_vocab, prompt_lengths) -> LatencyModel:
@@ -537,7 +533,10 @@ class Engine:
         key = self._latency_key(shape)
         if key in self.latency_models:
             return self.latency_models[key]
-        latency = LatencyModel.load(key, self.latency_cache) if self.latency_cache is not None else None
+        # Several processes all measure, in step (a fixed number of calls, each a collective), rather
+        # than some finding a cached curve that others lack; their costs are then process 0's.
+        cached = self.latency_cache is not None and jax.process_count() == 1
+        latency = LatencyModel.load(key, self.latency_cache) if cached else None
         if latency is None:
             refiner = None
             if shape.refine is not None:
