@@ -200,8 +200,8 @@ def shard_parameters(params, mesh: Mesh, head_dim: int | None = None):
 
 def place_params(loaded, mesh: Mesh | None):
     """A loaded model, drafter or refiner (a dataclass with `params`) with its weights on the device,
-    or on the mesh by the rules. Weights still on the host go straight to their devices' slices,
-    so no device ever holds more than its share; None passes through."""
+    or on the mesh by the rules. Weights still on the host (as loaded) go straight to their devices'
+    slices, so no device holds more than its share; None passes through."""
     if loaded is None:
         return loaded
     head_dim = getattr(loaded.config, "head_dim", None)
@@ -291,15 +291,16 @@ def shard_state(tree, mesh: Mesh):
         tree)
 
 
-def build_state(make, mesh: Mesh | None):
-    """make() -> a decode state (batch-major leaves), built where it lives: over a mesh each device
-    allocates only its own slices (by state_spec), so a state larger than one device still fits."""
+def build_state(mesh: Mesh | None, make, *static_args):
+    """make(*static_args) -> a decode state (batch-major leaves), built where it lives: over a mesh
+    each device allocates only its own slices (by state_spec), so a state larger than one device
+    still fits. make and its hashable arguments key jit's cache, so each shape compiles once."""
     if mesh is None:
-        return make()
-    abstract = jax.eval_shape(make)
+        return make(*static_args)
+    abstract = jax.eval_shape(make, *static_args)
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(mesh, state_spec(_path_string(path), leaf.shape, mesh)), abstract)
-    return jax.jit(make, out_shardings=shardings)()
+    return jax.jit(make, static_argnums=tuple(range(len(static_args))), out_shardings=shardings)(*static_args)
 
 
 def describe_placement(params, mesh: Mesh, head_dim: int | None = None) -> list[dict]:

@@ -369,7 +369,7 @@ class Engine:
                                           full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
             retrieval_prompts=None if retrieval is None else retrieval[0],
             retrieval_prompt_lengths=None if retrieval is None else retrieval[1])
-        state = build_state(partial(slot_api.empty_slots, statics), self.mesh)
+        state = build_state(self.mesh, slot_api.empty_slots, statics)
         if self.mesh is not None:
             request = shard_state(request, self.mesh)
         compile_s = 0.0

@@ -504,7 +504,7 @@ class Scheduler:
 
     def _fresh_state(self) -> slot_api.SlotState:
         """Every slot free, built on the mesh's devices when there is one."""
-        return build_state(partial(slot_api.empty_slots, self.statics), self.mesh)
+        return build_state(self.mesh, slot_api.empty_slots, self.statics)
 
     def _placed(self, batch_major):
         """A slot state or insert request (every leaf batch-major) in the mesh's layout."""
