@@ -297,7 +297,7 @@ def build_state(mesh: Mesh | None, make, *static_args):
     still fits. make and its hashable arguments key jit's cache, so each shape compiles once."""
     if mesh is None:
         return make(*static_args)
-    abstract = jax.eval_shape(make, *static_args)
+    abstract = jax.eval_shape(lambda: make(*static_args))
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(mesh, state_spec(_path_string(path), leaf.shape, mesh)), abstract)
     return jax.jit(make, static_argnums=tuple(range(len(static_args))), out_shardings=shardings)(*static_args)
