@@ -272,6 +272,7 @@ def test_two_processes_run_the_training_commands_as_one(tmp_path, capsys):
     assert json.loads(printed[0][0])["tokens"] == expected["tokens"]
 
 
+@pytest.mark.slow  # 40-60 s; the default suite keeps the one-process mesh tests
 def test_two_processes_on_loopback_train_and_decode_as_one(target, drafter, job, tmp_path):
     """Two processes with 4 CPU devices each join one 8-device mesh through jax.distributed (gloo
     collectives, coordinator on 127.0.0.1): one training step and one greedy decode equal one process."""

@@ -312,6 +312,10 @@ class _Live:
         return self.prefilled < len(self.prompt)
 
 
+_PROGRAMS: dict[tuple, Any] = {}
+"""Scheduler._program's jitted slot programs, by kind, static arguments and state layout."""
+
+
 class _Synced(NamedTuple):
     """What one host sync reads from the slot state, as numpy, one row per slot."""
 
@@ -456,7 +460,6 @@ class Scheduler:
         # Over a mesh every program hands the state back in the layout it was given, so one
         # compiled executable per shape serves every call (GSPMD would otherwise choose each output's).
         self._pinned = {} if mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, self._state)}
-        self._programs: dict[tuple, Any] = {}
         self._waiting: collections.deque[tuple[RequestHandle, float]] = collections.deque()
         self._live: dict[int, _Live] = {}  # slot -> request
         self._lock = threading.Lock()
@@ -512,13 +515,16 @@ class Scheduler:
 
     def _program(self, kind: str, **static):
         """The jitted step, insert or move_row with these static arguments, the state donated and,
-        over a mesh, its layout pinned; one per shape, so jit compiles each shape once."""
-        key = (kind, *sorted(static.items()))
-        if key not in self._programs:
+        over a mesh, its layout pinned. Kept per process (_PROGRAMS), so schedulers of the same
+        shapes and layout share jit's cache and compile each shape once, as the module's jits do."""
+        pinned = self._pinned.get("out_shardings")
+        layout = None if pinned is None else (jax.tree.structure(pinned), tuple(jax.tree.leaves(pinned)))
+        key = (kind, layout, *sorted(static.items()))
+        if key not in _PROGRAMS:
             function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row}[kind]
             donated = 0 if kind == "move_row" else 1  # move_row(state, source, target); the others (parts, state, ...)
-            self._programs[key] = jax.jit(partial(function, **static), donate_argnums=donated, **self._pinned)
-        return self._programs[key]
+            _PROGRAMS[key] = jax.jit(partial(function, **static), donate_argnums=donated, **self._pinned)
+        return _PROGRAMS[key]
 
     def _buckets(self) -> tuple[int, ...]:
         buckets, size = [], self.config.prompt_bucket
