@@ -90,7 +90,7 @@ def _one_device(target, drafter, job, methods) -> dict:
             for m in methods}
 
 
-@pytest.mark.parametrize("meshes", [("data=2,fsdp=2,model=2",),
+@pytest.mark.parametrize("meshes", [pytest.param(("data=2,fsdp=2,model=2",), marks=pytest.mark.slow),
                                     pytest.param(("model=8", "data=4,model=2", "fsdp=8"), marks=pytest.mark.slow)],
                          ids=["dp-fsdp-tp", "more-meshes"])
 def test_greedy_output_on_a_mesh_is_the_one_device_output(target, drafter, job, meshes):
