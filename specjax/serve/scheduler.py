@@ -460,6 +460,9 @@ class Scheduler:
         # Over a mesh every program hands the state back in the layout it was given, so one
         # compiled executable per shape serves every call (GSPMD would otherwise choose each output's).
         self._pinned = {} if mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, self._state)}
+        # The layout as a hashable key of _PROGRAMS, flattened once rather than at every lookup.
+        self._layout = None if mesh is None else (jax.tree.structure(self._pinned["out_shardings"]),
+                                                  tuple(jax.tree.leaves(self._pinned["out_shardings"])))
         self._waiting: collections.deque[tuple[RequestHandle, float]] = collections.deque()
         self._live: dict[int, _Live] = {}  # slot -> request
         self._lock = threading.Lock()
@@ -517,9 +520,7 @@ class Scheduler:
         """The jitted step, insert or move_row with these static arguments, the state donated and,
         over a mesh, its layout pinned. Kept per process (_PROGRAMS), so schedulers of the same
         shapes and layout share jit's cache and compile each shape once, as the module's jits do."""
-        pinned = self._pinned.get("out_shardings")
-        layout = None if pinned is None else (jax.tree.structure(pinned), tuple(jax.tree.leaves(pinned)))
-        key = (kind, layout, *sorted(static.items()))
+        key = (kind, self._layout, *sorted(static.items()))
         if key not in _PROGRAMS:
             function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row}[kind]
             donated = 0 if kind == "move_row" else 1  # move_row(state, source, target); the others (parts, state, ...)
