@@ -659,8 +659,9 @@ def cmd_train_drafter(args) -> int:
 
     recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
                            everyday_prompts=args.everyday_prompts, math_prompts=args.math_prompts,
-                           code_prompts=args.code_prompts,
-                           seq_len=args.seq_len, num_layers=args.layers, block_size=args.block_size,
+                           code_prompts=args.code_prompts, self_instruct_prompts=args.self_instruct_prompts,
+                           generate_batch=args.generate_batch, seq_len=args.seq_len, num_layers=args.layers,
+                           block_size=args.block_size,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
                            init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
@@ -1044,6 +1045,11 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--everyday-prompts", type=int, default=0, help="self-distillation everyday requests")
     td.add_argument("--math-prompts", type=int, default=0, help="self-distillation templated math word problems")
     td.add_argument("--code-prompts", type=int, default=0, help="self-distillation templated programming requests")
+    td.add_argument("--self-instruct-prompts", type=int, default=0,
+                    help="instructions that have the target write requests itself; the distinct ones that touch "
+                         "no held-out prompt are answered as self-distillation prompts")
+    td.add_argument("--generate-batch", type=int, default=32,
+                    help="rows decoded together while the target answers prompts (finished rows are refilled)")
     td.add_argument("--seq-len", type=int, default=256)
     td.add_argument("--layers", type=int, default=1)
     td.add_argument("--block-size", type=int, default=16)

@@ -51,3 +51,35 @@ def test_the_heldout_set_is_disjoint_from_every_training_prompt_kind():
         assert not _word_runs(prompt) & seen, f"shares an 8-word run with a training prompt: {prompt!r}"
         assert not any(prompt.startswith(o) for o in openings), f"opens like a training template: {prompt!r}"
         assert prompt not in HELDOUT_CHAT_PROMPTS
+
+
+def test_self_instruct_instructions_are_distinct_and_reproducible():
+    from specjax.data.prompts import self_instruct_requests
+
+    first = self_instruct_requests(2000, seed=2)
+    assert len(set(first)) == 2000 and first == self_instruct_requests(2000, seed=2)
+    assert first != self_instruct_requests(2000, seed=3)
+    import pytest
+
+    with pytest.raises(ValueError, match="distinct"):
+        self_instruct_requests(10**7)
+
+
+def test_a_written_request_is_cleaned_and_one_that_touches_the_held_out_set_is_dropped():
+    from specjax.data import prompts as p
+
+    assert p.clean_self_instruct('Question: "How do volcanoes form?"\nThey form when...') == "How do volcanoes form?"
+    assert p.clean_self_instruct("**Request:** Can you list five fun facts about whales?") == \
+        "Can you list five fun facts about whales?"
+    assert p.clean_self_instruct("Sure") is None and p.clean_self_instruct("\n\n") is None
+    assert p.clean_self_instruct("Here is a question about bees that goes on and on") is None  # no sentence end
+    # Every held-out prompt, and rewordings of their subjects, are refused.
+    for prompt in p.heldout_prompts() + list(HELDOUT_CHAT_PROMPTS):
+        assert p.touches_heldout(prompt), prompt
+    for reworded in ("Why do onions make you cry?", "How do I get rid of hiccups fast?",
+                     "What is a good way to start learning a new language as a grown-up?",
+                     "Write a funny poem about a lost umbrella."):
+        assert p.clean_self_instruct(reworded) is None, reworded
+    for fine in ("How can I keep my houseplants alive in winter?", "Explain recursion with a Python example.",
+                 "What should a beginner know before running a marathon?"):
+        assert p.clean_self_instruct(fine) == fine

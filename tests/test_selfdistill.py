@@ -69,3 +69,42 @@ def test_bad_generator_shapes_are_refused():
         GeneratorConfig(batch_size=2, refill_rows=4)
     with pytest.raises(SpecjaxError, match="steps_per_sync"):
         GeneratorConfig(steps_per_sync=0)
+
+
+class _WordTokenizer:
+    """A stand-in tokenizer over the tiny vocabulary: text hashes to a short prompt, and ids decode
+    to a request. Ids starting with an even token decode to a held-out prompt, which must be dropped."""
+
+    WORDS = [f"w{i}" for i in range(64)]
+
+    def encode_chat(self, text: str) -> list[int]:
+        rng = np.random.default_rng(list(text.encode()))
+        return rng.integers(4, TINY.vocab_size, size=6).tolist()
+
+    def decode(self, ids) -> str:
+        from specjax.data.prompts import heldout_prompts
+
+        ids = [int(i) for i in ids if int(i) != 3]
+        if ids and ids[0] % 2 == 0:
+            return heldout_prompts()[0]
+        return "Question: Can you tell me about " + " ".join(self.WORDS[i % 64] for i in ids[:4]) + "?\nmore"
+
+
+def test_self_instruct_keeps_the_distinct_clean_requests_the_target_wrote(target, tmp_path):
+    from specjax.data.prompts import self_instruct_requests
+    from specjax.train.selfdistill import self_instruct_prompts
+
+    model, tok = _with_eos(target), _WordTokenizer()
+    prompts = self_instruct_prompts(model.params, TINY, tok, 24, tmp_path / "r.jsonl", GEN, model.eos_token_ids,
+                                    seed=1, progress=False)
+    instructions = self_instruct_requests(24, 1)
+    greedy = Engine(model).generate([tok.encode_chat(t) for t in instructions], GEN.max_new_tokens).tokens
+    expected = []
+    for ids in greedy:
+        text = tok.decode(ids)
+        if text.startswith("Question: ") and text.split("\n")[0][10:] not in expected:
+            expected.append(text.split("\n")[0][10:])
+    assert prompts == expected and 0 < len(prompts) < 24
+    # The written requests are kept on disk: a rerun resumes and returns the same prompts.
+    assert self_instruct_prompts(model.params, TINY, tok, 24, tmp_path / "r.jsonl", GEN, model.eos_token_ids,
+                                 seed=1, progress=False) == prompts

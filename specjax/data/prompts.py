@@ -183,3 +183,137 @@ def code_task_prompts(count: int, seed: int = 0) -> list[str]:
     """count templated small programming requests."""
     rng = random.Random(seed)
     return [rng.choice(_CODE_TEMPLATES).format(task=rng.choice(_CODE_TASKS)) for _ in range(count)]
+
+
+# ---- self-instruct: requests the target writes itself --------------------------------------------
+# The target is asked to write a user's request (topic x kind of request x who asks); its answer,
+# cleaned and filtered, becomes a training prompt. The topics avoid the held-out ones, and
+# `touches_heldout` rejects any written request that drifts onto a held-out prompt anyway.
+_SELF_INSTRUCT_TOPICS = _EVERYDAY_TOPICS + (
+    "a vegetable garden", "saving money", "a job search", "public speaking", "a road trip", "moving house",
+    "a first apartment", "time zones", "the stock market", "insurance", "taxes", "a budget spreadsheet", "podcasts",
+    "video games", "board games", "knitting", "woodworking", "photography", "birdwatching", "hiking boots",
+    "a tent", "a campfire", "fishing", "sailing", "surfing", "skiing", "ice skating", "basketball", "cricket",
+    "the Olympics", "a marathon training plan", "stretching", "posture", "drinking water", "breakfast", "soup",
+    "pasta", "pizza", "cheese", "chocolate", "spices", "baking cookies", "a slow cooker", "leftovers", "composting",
+    "houseplants", "cacti", "tomatoes", "potatoes", "mushrooms", "sunflowers", "oak trees", "maple syrup", "honey",
+    "ants", "squirrels", "rabbits", "parrots", "goldfish", "turtles", "sharks", "whales",
+    "octopuses", "jellyfish", "the Arctic", "Antarctica", "the Sahara", "the Amazon river", "the Himalayas",
+    "islands", "caves", "waterfalls", "lakes", "canals", "bridges", "skyscrapers", "castles", "pyramids",
+    "the Great Wall of China", "Vikings", "samurai", "the Renaissance", "the Industrial Revolution", "the steam engine",
+    "the telephone", "radio", "television", "cameras", "satellites", "rockets", "the International Space Station",
+    "black holes", "comets", "eclipses", "telescopes", "microscopes", "atoms", "water vapour", "rust", "plastic",
+    "glass", "paper", "cotton", "wool", "concrete", "steel", "electric cars", "buses", "traffic lights", "helmets",
+    "first aid", "sunscreen", "allergies", "the common cold", "hand washing", "stress", "meditation", "journaling",
+    "habits", "goal setting", "a to-do list", "a calendar", "email etiquette", "a meeting agenda", "a resume",
+    "negotiating a salary", "teamwork", "leadership", "feedback", "a book club", "a short story",
+    "a mystery novel", "science fiction", "comic books", "opera", "jazz", "the guitar", "drums", "singing",
+    "dancing", "theatre", "film festivals", "street art", "sculpture", "pottery", "origami", "calligraphy",
+    "a family tree", "grandparents", "siblings", "volunteering", "kindness", "gratitude",
+    "learning to swim", "learning to drive", "a driving test", "a science fair", "homework", "exams", "a school trip",
+    "a spelling bee", "geometry", "percentages", "probability", "statistics", "algebra", "calculus", "the metric system",
+    "Roman numerals", "a queue", "a stack", "a binary tree", "graphs and networks", "regular expressions",
+    "unit tests", "version control", "a web server", "HTML", "CSS", "a REST API", "JSON", "SQL joins",
+    "a command line", "file permissions", "a text editor", "debugging", "a for loop", "variables", "functions",
+    "classes and objects", "exceptions", "a dictionary in Python", "a shopping list app", "a password manager",
+)
+_SELF_INSTRUCT_ASKERS = (
+    "a student", "a teacher", "a parent", "a traveller", "a nurse", "an engineer", "a shop owner", "a retiree",
+    "a beginner programmer", "a farmer", "an artist", "a runner", "a cook", "a journalist", "a librarian",
+    "a new employee", "a manager", "a scientist", "a child", "a musician",
+)
+_SELF_INSTRUCT_TEMPLATES = (
+    "Write one question that {asker} might ask an AI assistant about {topic}. Reply with the question only.",
+    "Write a request that {asker} might send to a helpful assistant about {topic}. Reply with the request only.",
+    "Invent a short task about {topic} for an assistant, from {asker}: something to explain, write, list or compare. "
+    "Reply with the task only.",
+    "What is a practical question about {topic} that {asker} could ask? Write only the question.",
+    "Write a message from {asker} asking for advice about {topic}. Reply with the message only.",
+    "Write an instruction asking an assistant to write something creative about {topic} for {asker}. "
+    "Reply with the instruction only.",
+)
+
+_STOPWORDS = frozenset(
+    "a an the and or but if then than so to of in on at by for with from into about as is are was were be been being "
+    "do does did doing have has had having i me my we our you your he she it its they them their this that these those "
+    "what which who whom whose why how when where can could should would will shall may might must not no yes any "
+    "some more most much many few very just also too only own same other such there here up down out over under "
+    "again once all each both between through during before after above below off get got make made give given "
+    "write short tell explain describe list three five good best way ways some something someone please help "
+    "want need know like use used using let".split())
+
+
+def self_instruct_requests(count: int, seed: int = 0) -> list[str]:
+    """count distinct instructions that ask the target to write a user's request (topic x template x
+    asker, drawn without repetition). Greedy decoding answers equal instructions alike, so they must differ."""
+    space = len(_SELF_INSTRUCT_TOPICS) * len(_SELF_INSTRUCT_TEMPLATES) * len(_SELF_INSTRUCT_ASKERS)
+    if count > space:
+        raise ValueError(f"at most {space} distinct self-instruct requests exist; asked for {count}")
+    rng = random.Random(seed)
+    picks = rng.sample(range(space), count)
+    out = []
+    for k in picks:
+        topic, rest = divmod(k, len(_SELF_INSTRUCT_TEMPLATES) * len(_SELF_INSTRUCT_ASKERS))
+        template, asker = divmod(rest, len(_SELF_INSTRUCT_ASKERS))
+        out.append(_SELF_INSTRUCT_TEMPLATES[template].format(topic=_SELF_INSTRUCT_TOPICS[topic],
+                                                             asker=_SELF_INSTRUCT_ASKERS[asker]))
+    return out
+
+
+# The subjects of the held-out chat prompts (and the 12 demo ones): a written request that names
+# one is about a held-out topic, whatever its wording.
+_HELDOUT_TOPIC_WORDS = frozenset(
+    "wedding sticky residue jar onion limerick umbrella crocodile alligator bookshop backpack hiccup goosebump "
+    "networking refrigerator fridge frog toad interview popcorn graduation wrinkly wrinkle neighbor neighbour pisa "
+    "riddle notary yawn yawning procrastinate procrastinating procrastination puppy balloon france sea ocean hash "
+    "sky cat tea exercise autumn photosynthesis climate vitamin".split())
+
+
+def _normal(word: str) -> str:
+    return word[:-1] if len(word) > 4 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _content_words(text: str) -> set[str]:
+    return {_normal(w) for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 3 and w not in _STOPWORDS}
+
+
+def _word_runs(text: str, run: int) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + run]) for i in range(len(words) - run + 1)}
+
+
+_HELDOUT_INDEX: dict[int, tuple[list[set[str]], set[tuple[str, ...]]]] = {}
+
+
+def touches_heldout(prompt: str, shared_words: int = 2, run: int = 5) -> bool:
+    """True when a prompt names a held-out topic, or shares a `run`-word sequence or `shared_words`
+    content words with any held-out prompt (the 120 of the held-out set and the 12 demo ones):
+    training on it would leak the evaluation."""
+    if run not in _HELDOUT_INDEX:
+        heldout = heldout_prompts() + list(HELDOUT_CHAT_PROMPTS)
+        _HELDOUT_INDEX[run] = ([_content_words(h) for h in heldout],
+                               set().union(*(_word_runs(h, run) for h in heldout)))
+    heldout_words, heldout_runs = _HELDOUT_INDEX[run]
+    mine = _content_words(prompt)
+    return (bool(mine & _HELDOUT_TOPIC_WORDS) or bool(_word_runs(prompt, run) & heldout_runs)
+            or any(len(mine & theirs) >= shared_words for theirs in heldout_words))
+
+
+def clean_self_instruct(answer: str, min_chars: int = 15, max_chars: int = 400) -> str | None:
+    """The request in a target's answer to a self-instruct instruction, or None when it has none:
+    the first non-empty line, without a leading label ("Question:") or surrounding quotes. A request
+    that is not one sentence-like line, or that touches a held-out prompt, is dropped."""
+    for line in answer.splitlines():
+        line = line.strip()
+        if line:
+            break
+    else:
+        return None
+    line = re.sub(r"^(\*\*)?(question|request|task|message|instruction|prompt)( \d+)?\s*:\s*(\*\*)?\s*", "", line,
+                  flags=re.IGNORECASE)
+    line = line.strip().strip('"“”').strip()
+    if not min_chars <= len(line) <= max_chars or not re.search(r"[a-zA-Z]{3}", line):
+        return None
+    if line[-1] not in ".?!:" or touches_heldout(line):
+        return None
+    return line

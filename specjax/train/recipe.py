@@ -29,6 +29,9 @@ class DistillRecipe:
     """Self-distillation prompts: templated arithmetic word problems."""
     code_prompts: int = 0
     """Self-distillation prompts: templated small programming requests."""
+    self_instruct_prompts: int = 0
+    """Instructions that have the target write requests itself (self-instruct); the distinct requests
+    it writes that touch no held-out prompt become self-distillation prompts (fewer than this)."""
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
@@ -74,15 +77,17 @@ class DistillRecipe:
             raise SpecjaxError(f"unknown compute dtype {self.dtype!r}; available: float32, bfloat16")
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
-                       code_prompts=self.code_prompts, draft_vocab_size=self.draft_vocab_size)
+                       code_prompts=self.code_prompts, self_instruct_prompts=self.self_instruct_prompts,
+                       draft_vocab_size=self.draft_vocab_size)
         check_at_least(1, seq_len=self.seq_len, generate_batch=self.generate_batch, layers=self.num_layers,
                        taps=self.num_taps, steps=self.steps, sequences_per_batch=self.sequences_per_batch,
                        anchors_per_sequence=self.anchors_per_sequence)
         check_at_least(2, block_size=self.block_size)
         check_positive_finite(learning_rate=self.learning_rate)
-        if self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts == 0:
+        if (self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts
+                + self.self_instruct_prompts == 0):
             raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, everyday_prompts, "
-                               "math_prompts and code_prompts are all 0")
+                               "math_prompts, code_prompts and self_instruct_prompts are all 0")
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)
@@ -106,7 +111,8 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
     from specjax.data.prompts import (HELDOUT_CHAT_PROMPTS, code_task_prompts, everyday_chat_prompts, math_word_prompts,
                                       training_chat_prompts)
     from specjax.train.drafter import DistillationSet, build_distillation_set
-    from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
+    from specjax.train.selfdistill import (GeneratorConfig, generate_continuations, read_continuations,
+                                           self_instruct_prompts)
 
     if model.tokenizer is None:
         raise SpecjaxError("the target has no tokenizer; distillation needs text prompts")
@@ -153,6 +159,20 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                               (recipe.code_prompts, code_task_prompts, "code")):
         if count:
             sets.append(continuations(make(count, recipe.seed), out_dir / name, f"{name} tasks"))
+    if recipe.self_instruct_prompts:
+        written = out_dir / "self_instruct.prompts.json"
+
+        def write_requests() -> None:
+            _log(f"self-instruct: the target writes requests for {recipe.self_instruct_prompts} instructions")
+            writer = dataclasses.replace(generator, max_new_tokens=48, max_prompt_tokens=128)
+            requests = self_instruct_prompts(model.params, model.config, tok, recipe.self_instruct_prompts,
+                                             out_dir / "self_instruct.requests.jsonl", writer, model.eos_token_ids,
+                                             recipe.seed)
+            _log(f"self-instruct: {len(requests)} distinct requests kept")
+            written.write_text(json.dumps(requests, indent=0))
+
+        built_once(written.exists, write_requests, f"self-instruct requests in {written}")
+        sets.append(continuations(json.loads(written.read_text()), out_dir / "self_instruct", "self-instruct"))
     heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
     corpus_dir = out_dir / "corpus"
 

@@ -254,3 +254,26 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
             state = decode_steps(params, state, **statics)
     bar.close()
     return GenerationReport(answered, new_tokens, time.perf_counter() - started, len(too_long))
+
+
+def self_instruct_prompts(params, config: TransformerConfig, tokenizer, count: int, out_path: str | Path,
+                          gen: GeneratorConfig, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
+                          progress: bool = True) -> list[str]:
+    """Requests the target writes itself (self-instruct): it answers `count` distinct instructions
+    ("write a question that a nurse might ask about sleep...") greedily, through the same refilled
+    batch, into out_path (so a rerun resumes); each answer's first line, cleaned, becomes a prompt.
+    Answers that hold no request, repeat an earlier one, or touch a held-out prompt or its topic are
+    dropped, so fewer than `count` prompts come back."""
+    from specjax.data.prompts import clean_self_instruct, self_instruct_requests
+
+    instructions = self_instruct_requests(count, seed)
+    generate_continuations(params, config, [tokenizer.encode_chat(t) for t in instructions], out_path, gen,
+                           eos_token_ids, progress)
+    prompts, seen = [], set()
+    found = read_continuations(out_path)
+    for index in sorted(found):
+        prompt = clean_self_instruct(tokenizer.decode(found[index][1]))
+        if prompt is not None and prompt.lower() not in seen:
+            seen.add(prompt.lower())
+            prompts.append(prompt)
+    return prompts
