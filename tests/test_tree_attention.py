@@ -263,3 +263,38 @@ def test_kernel_lowers_to_triton_for_cuda(num_new, cache_length, head_dim, dtype
     compiled_kernel = jax.jit(lambda *a: tree_attention(*a, scores=scores, interpret=False))
     lowered = compiled_kernel.trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
+
+
+# ---- the stacked-heads form of the model's attention (many rows, one token, on CPU) ----
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_new,softcap", [(1, None), (1, 5.0), (3, None)])
+def test_stacked_heads_attention_equals_the_per_head_form(dtype, num_new, softcap):
+    from specjax.models.layers import grouped_query_attention, stacked_heads_attention, stacked_heads_pays
+    from specjax.pallas_kernels.scores import AttentionScores
+
+    rng = np.random.default_rng(num_new)
+    batch, slots, heads, kv_heads, dim = 4, 21, 6, 3, 16
+    q = jnp.asarray(rng.normal(size=(batch, num_new, heads, dim)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(batch, slots, kv_heads, dim)), dtype) for _ in range(2))
+    mask = jnp.asarray(rng.random((batch, num_new, slots)) < 0.6).at[:, :, 0].set(True)
+    scores = AttentionScores(softcap=softcap)
+    assert not stacked_heads_pays(batch, num_new, kv_heads)  # 4 rows: the per-head form
+    expected = grouped_query_attention(q, k, v, mask, scores)
+    actual = stacked_heads_attention(q, k, v, mask, scores)
+    tolerance = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else BF16_TOLERANCE
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), **tolerance)
+    # A query head reads its own KV head only: changing another head's values leaves it alone.
+    v2 = v.at[:, :, 1].add(1.0)
+    moved = np.abs(np.asarray(stacked_heads_attention(q, k, v2, mask, scores) - actual, np.float32)).max(axis=(0, 1, 3))
+    group = heads // kv_heads
+    assert (moved[group : 2 * group] > 0.1).all() and (moved[:group] == 0).all() and (moved[2 * group :] == 0).all()
+
+
+def test_the_stacked_form_is_chosen_for_many_rows_of_one_token_on_cpu():
+    from specjax.models.layers import STACKED_HEADS_MIN_BATCH, stacked_heads_pays
+
+    assert stacked_heads_pays(STACKED_HEADS_MIN_BATCH, 1, 3) == (jax.default_backend() == "cpu")
+    assert not stacked_heads_pays(STACKED_HEADS_MIN_BATCH - 1, 1, 3)
+    assert not stacked_heads_pays(64, 16, 3)  # a verify block: per head
+    assert not stacked_heads_pays(64, 1, 8)  # many KV heads: K-fold products would cost more than the copy

@@ -148,11 +148,54 @@ def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SC
     scale and optional soft cap."""
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
+    if stacked_heads_pays(batch, num_new, num_kv):
+        return stacked_heads_attention(q, k, v, mask, scores)
     q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
     products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, num_new, num_heads, head_dim)
+
+
+STACKED_HEADS_MIN_BATCH = 16
+"""Batched one-token steps of at least this many rows take `stacked_heads_attention` on CPU."""
+
+
+def stacked_heads_pays(batch: int, num_new: int, num_kv: int) -> bool:
+    """Whether `stacked_heads_attention` is the faster form for these (static) shapes.
+
+    XLA:CPU runs the per-head einsums as batched dots whose batch dimensions (row, KV head) are not
+    the cache's leading ones, so it copies each layer's whole [B, S, K, D] cache into [B, K, S, D]
+    order first, every step. At many rows and one token that copy dominates: SmolLM2, bf16, 128 rows,
+    256 slots, 9.6 ms a layer against 3.7 ms stacked (experiments/attention_forms.py). With a few rows,
+    or a verify block of many tokens, the per-head form is as fast or faster, and on GPU and TPU the
+    stacked form's K-fold products would be waste."""
+    return jax.default_backend() == "cpu" and num_new == 1 and batch >= STACKED_HEADS_MIN_BATCH and num_kv <= 4
+
+
+def stacked_heads_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
+    """grouped_query_attention with the KV heads kept stacked in one feature axis, so every dot
+    contracts the cache's contiguous last axes and reads it in place. Each query head is spread into a
+    block-diagonal row over the K*D stacked features (zeros outside its own KV head), so one dot per
+    row gives every head's scores, and the values' dot gives every head's outputs, of which each
+    query head keeps its own block. It does K times the products, and no copy of the cache.
+    Same shapes as grouped_query_attention."""
+    batch, num_new, num_heads, head_dim = q.shape
+    slots, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    own_head = jnp.eye(num_kv, dtype=q.dtype)  # [K, K]
+    q = q.reshape(batch, num_new, num_kv, group, 1, head_dim) * own_head[None, None, :, None, :, None]
+    q = q.reshape(batch, num_new * num_heads, num_kv * head_dim)  # [B, T*H, K*D], block-diagonal rows
+    products = jnp.einsum("BQE,BSE->BQS", q, k.reshape(batch, slots, num_kv * head_dim),
+                          preferred_element_type=jnp.float32)  # [B, T*H, S]
+    visible = jnp.repeat(mask, num_heads, axis=1)  # [B, T*H, S]
+    logits = jnp.where(visible, scores.logits(products, head_dim), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BQS,BSE->BQE", probs, v.reshape(batch, slots, num_kv * head_dim),
+                     preferred_element_type=jnp.float32)  # [B, T*H, K*D]
+    out = out.reshape(batch, num_new, num_kv, group, num_kv, head_dim)
+    out = jnp.einsum("BTKGLD,KL->BTKGD", out, own_head.astype(out.dtype))  # each head's own block
     return out.reshape(batch, num_new, num_heads, head_dim)
 
 
