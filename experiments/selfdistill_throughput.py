@@ -5,6 +5,11 @@ on the same prompts, in one process. Compilation is excluded: each configuration
 on a few prompts of the same shapes.
 
     python experiments/selfdistill_throughput.py [--prompts 96] [--batch 32,64] [--dtypes float32,bfloat16]
+        [--generators whole,refill] [--attention auto,per-head]
+
+`--attention per-head` turns off the stacked-heads attention form that many-row steps take on CPU
+(models/layers.py:stacked_heads_pays), so both forms can be timed in one run. The refill generator's
+time includes compiling its insert call at each prompt width it meets (a few seconds each).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps-per-sync", type=int, default=16)
+    parser.add_argument("--generators", default="whole,refill", help="whole (Engine.generate), refill, or both")
+    parser.add_argument("--attention", default="auto", help="auto, per-head, or both (comma-separated)")
     args = parser.parse_args()
+
+    import jax
+
+    from specjax.models import layers
 
     from specjax.data.corpora import load_split
     from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
@@ -38,26 +49,36 @@ def main():
     prompts = [ids for ids in (base.tokenizer.encode_chat(t) for t in texts) if len(ids) <= 128]
     print(f"{len(prompts)} prompts (of {len(texts)}; longer than 128 tokens dropped), up to {args.new_tokens} new tokens")
     rows = []
-    for dtype in args.dtypes.split(","):
-        model = at_compute_dtype(base, dtype)
-        for batch in (int(b) for b in args.batch.split(",")):
-            engine = Engine(model)
-            engine.generate(prompts[:batch], args.new_tokens)  # compile
-            started, new = time.perf_counter(), 0
-            for begin in range(0, len(prompts), batch):
-                out = engine.generate(prompts[begin : begin + batch], args.new_tokens)
-                new += sum(len(t) for t in out.tokens)
-            rows.append((dtype, batch, "whole batches (Engine.generate)", new, time.perf_counter() - started))
-            gen = GeneratorConfig(batch_size=batch, max_prompt_tokens=128, max_new_tokens=args.new_tokens,
-                                  steps_per_sync=args.steps_per_sync, refill_rows=max(1, batch // 4))
-            with tempfile.TemporaryDirectory() as tmp:
-                generate_continuations(model.params, model.config, prompts[:2], Path(tmp) / "warm.jsonl", gen,
-                                       model.eos_token_ids, progress=False)
-                report = generate_continuations(model.params, model.config, prompts, Path(tmp) / "c.jsonl", gen,
-                                                model.eos_token_ids, progress=False)
-            rows.append((dtype, batch, "continuous refill (selfdistill)", report.new_tokens, report.seconds))
-            for row in rows[-2:]:
-                print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
+    generators = args.generators.split(",")
+    for attention in args.attention.split(","):
+        # The rule is read while tracing, so every program is traced anew under each setting.
+        layers.STACKED_HEADS_MIN_BATCH = 16 if attention == "auto" else 10**9
+        jax.clear_caches()
+        for dtype in args.dtypes.split(","):
+            model = at_compute_dtype(base, dtype)
+            for batch in (int(b) for b in args.batch.split(",")):
+                label = lambda how: f"{how}, attention {attention}"  # noqa: E731
+                if "whole" in generators:
+                    engine = Engine(model)
+                    engine.generate(prompts[:batch], args.new_tokens)  # compile
+                    started, new = time.perf_counter(), 0
+                    for begin in range(0, len(prompts), batch):
+                        out = engine.generate(prompts[begin : begin + batch], args.new_tokens)
+                        new += sum(len(t) for t in out.tokens)
+                    rows.append((dtype, batch, label("whole batches (Engine.generate)"), new,
+                                 time.perf_counter() - started))
+                if "refill" in generators:
+                    gen = GeneratorConfig(batch_size=batch, max_prompt_tokens=128, max_new_tokens=args.new_tokens,
+                                          steps_per_sync=args.steps_per_sync, refill_rows=max(1, batch // 4))
+                    with tempfile.TemporaryDirectory() as tmp:
+                        generate_continuations(model.params, model.config, prompts[:2], Path(tmp) / "warm.jsonl", gen,
+                                               model.eos_token_ids, progress=False)
+                        report = generate_continuations(model.params, model.config, prompts, Path(tmp) / "c.jsonl",
+                                                        gen, model.eos_token_ids, progress=False)
+                    rows.append((dtype, batch, label("continuous refill (selfdistill)"), report.new_tokens,
+                                 report.seconds))
+                for row in rows[-len(generators):]:
+                    print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
     print("\n| dtype | rows | generator | new tokens | seconds | new tokens/s |")
     print("|---|---|---|---|---|---|")
     for dtype, batch, how, new, seconds in rows:

@@ -88,3 +88,28 @@ def test_bpe_tokenizer_round_trips_text():
     assert tok.decode(tok.encode(text)) == text
     with pytest.raises(SpecjaxError, match="vocab_size"):
         train_bpe_tokenizer(_texts(), 100)
+
+
+def test_held_out_answers_stuck_in_a_loop_are_left_out_of_the_estimate():
+    from specjax.data.repetition import distinct_n, is_looping
+    from specjax.train.drafter import DistillationSet, without_looping
+
+    rng = np.random.default_rng(0)
+    fresh = rng.permutation(200)[:40].tolist()
+    loop = [5, 6, 7, 8] * 10
+    assert distinct_n(fresh, 3) == 1.0 and distinct_n(loop, 3) < 0.2 and distinct_n([1, 2], 3) is None
+    assert is_looping(loop) and not is_looping(fresh) and not is_looping([1, 2])
+    rows = [[9] * 8 + fresh, [9] * 8 + loop, [9] * 8 + fresh[::-1]]
+    tokens = np.asarray(rows, np.int32)
+    valid = np.zeros_like(tokens, bool)
+    valid[:, 8:] = True  # the prompt (8 tokens of 9) is not labelled, so it cannot make a row look looping
+    data = DistillationSet(tokens=tokens, labels=tokens, valid=valid,
+                           features=np.arange(3, dtype=np.float16)[:, None, None, None] * np.ones((3, 48, 1, 2), np.float16),
+                           target_layer_ids=(1,))
+    kept, dropped = without_looping(data)
+    assert dropped == 1 and kept.num_sequences == 2
+    np.testing.assert_array_equal(kept.tokens, tokens[[0, 2]])
+    np.testing.assert_array_equal(kept.features[:, 0, 0, 0], [0, 2])  # every array keeps the same rows
+    all_looping = DistillationSet(tokens=tokens[[1]], labels=tokens[[1]], valid=valid[[1]],
+                                  features=data.features[[1]], target_layer_ids=(1,))
+    assert without_looping(all_looping) == (all_looping, 0)

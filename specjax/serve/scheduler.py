@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from specjax.data.repetition import distinct_n
 from specjax.decode import slots as slot_api
 from specjax.data.retrieval import NEEDS_ENCODER, IndexCache, RetrievalConfig, long_context_prompt
 from specjax.decode.budget import LatencyModel
@@ -1314,13 +1315,6 @@ class Scheduler:
             del self._live[slot]
             live.handle._push(result=RequestResult([], live.text, "error", message, {"e2e_s": now - live.arrived}))
             self.metrics.finished("error", now - live.arrived)
-
-
-def distinct_n(ids, n: int) -> float | None:
-    """Distinct n-grams over all n-grams of a token sequence (None when it has none): 1.0 for text
-    that never repeats an n-gram, near 0 for output stuck in a loop."""
-    grams = [tuple(ids[i: i + n]) for i in range(len(ids) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else None
 
 
 def _find_stop(text: str, stops: tuple[str, ...], already: int) -> int | None:

@@ -149,6 +149,24 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     return DistillationSet.open(out_dir)
 
 
+def without_looping(data: DistillationSet) -> tuple[DistillationSet, int]:
+    """The set without its sequences whose labelled part is stuck in a loop (data/repetition.py), and
+    how many were dropped. A drafter predicts a loop perfectly, so one looping continuation among a
+    dozen held-out ones can double a held-out acceptance estimate (a bf16 SmolLM2 answered "three tips
+    for learning to cook" with "1111..." for 120 tokens: 13 tokens per block against about 1.3
+    elsewhere). When every sequence loops the set is returned whole."""
+    from specjax.data.repetition import is_looping
+
+    keep = [r for r in range(data.num_sequences)
+            if not is_looping(np.asarray(data.tokens[r])[np.asarray(data.valid[r])].tolist())]
+    if not keep or len(keep) == data.num_sequences:
+        return data, 0
+    take = lambda a: np.asarray(a[keep])  # noqa: E731
+    return DistillationSet(tokens=take(data.tokens), labels=take(data.labels), valid=take(data.valid),
+                           features=take(data.features), target_layer_ids=data.target_layer_ids), \
+        data.num_sequences - len(keep)
+
+
 def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step: int, seed: int,
                          cfg: DrafterTrainConfig, block: int) -> dict:
     """A batch of sequences and anchors; a pure function of (seed, step) so resumes are exact.

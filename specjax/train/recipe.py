@@ -108,9 +108,9 @@ def _coverage(data, draft_vocab) -> float:
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
-    from specjax.data.prompts import (HELDOUT_CHAT_PROMPTS, code_task_prompts, everyday_chat_prompts, math_word_prompts,
-                                      training_chat_prompts)
-    from specjax.train.drafter import DistillationSet, build_distillation_set
+    from specjax.data.prompts import (HELDOUT_CHAT_PROMPTS, code_task_prompts, everyday_chat_prompts, heldout_prompts,
+                                      math_word_prompts, training_chat_prompts)
+    from specjax.train.drafter import DistillationSet, build_distillation_set, without_looping
     from specjax.train.selfdistill import (GeneratorConfig, generate_continuations, read_continuations,
                                            self_instruct_prompts)
 
@@ -173,7 +173,14 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 
         built_once(written.exists, write_requests, f"self-instruct requests in {written}")
         sets.append(continuations(json.loads(written.read_text()), out_dir / "self_instruct", "self-instruct"))
-    heldout = continuations(list(HELDOUT_CHAT_PROMPTS), out_dir / "heldout_chat", "held-out chat")
+    # The demo prompts and the held-out set's chat prompts: 42 answers, so that no single answer
+    # dominates the acceptance estimate; answers stuck in a loop are left out of it.
+    heldout = continuations(list(HELDOUT_CHAT_PROMPTS) + heldout_prompts("chat"), out_dir / "heldout_chat",
+                            "held-out chat")
+    heldout, looping = without_looping(heldout)
+    if looping:
+        _log(f"held-out chat: {looping} of {heldout.num_sequences + looping} answers are stuck in a loop "
+             "(distinct-3 under 0.5) and are left out of the acceptance estimate")
     corpus_dir = out_dir / "corpus"
 
     def build_corpus() -> None:
