@@ -1,10 +1,14 @@
 """Two or more drafters for one target, decoded side by side on the same prompts in one run.
 
     python experiments/drafter_compare.py old=runs/drafter-v1 new=runs/drafter-v2/drafter \
-        [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json]
+        [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json] \
+        [--dtype float32|bfloat16] [--methods chain,tree] [--speed-baselines]
 
-Greedy, batch 1, SmolLM2 in float32. The AR variant is the baseline for speedups and output
-identity; each drafter runs the chain method ("chain <label>"). Prompts are the first `--prompts`
+Greedy, batch 1, SmolLM2 at `--dtype` (bf16 with its steps padded to 16 query rows, the exactness
+reference). The AR variant at that precision is the baseline for output identity; each drafter
+runs each of `--methods` ("chain <label>", "tree <label>"). `--speed-baselines` adds AR at the
+other settings this machine has (float32 one row, bf16 one row) and prints every method's speedup
+against the fastest AR measured in the run, the issue's speed baseline. Prompts are the first `--prompts`
 of the held-out set's `--category` (specjax/data/heldout_prompts.jsonl). tau and acceptance do
 not depend on timing, so they stay valid when the machine is shared; tokens/s and speedups are
 only worth reporting from a run that had the cores to itself.
@@ -23,26 +27,44 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--category", default="chat", help="held-out category: chat, code, math or rewrite")
     parser.add_argument("--json", help="also write the whole report here")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--methods", default="chain", help="comma-separated speculative methods per drafter")
+    parser.add_argument("--speed-baselines", action="store_true",
+                        help="also time AR in float32 and in bf16 without padded rows")
     args = parser.parse_args()
 
     from specjax.data.prompts import heldout_prompts
     from specjax.decode.bench import Variant, format_table, run_variants
     from specjax.decode.engine import Engine
-    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, with_query_rows
 
-    model = load_model("smollm2")
+    base = load_model("smollm2")
+    model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
     prompts = [model.tokenizer.encode_chat(p) for p in heldout_prompts(args.category)[: args.prompts]]
     variants = [Variant("ar", Engine(model), "ar")]
+    if args.speed_baselines:
+        for dtype in ("float32", "bfloat16"):
+            one_row = with_query_rows(at_compute_dtype(base, dtype), 0)
+            if one_row.config != model.config:
+                variants.append(Variant(f"ar {dtype} one row", Engine(one_row), "ar"))
     for spec in args.drafters:
         label, _, folder = spec.partition("=")
         if not folder:
             parser.error(f"give drafters as label=folder, got {spec!r}")
-        variants.append(Variant(f"chain {label}", Engine(model, resolve_drafter(folder, "smollm2")), "chain"))
+        engine = Engine(model, at_compute_dtype(resolve_drafter(folder, "smollm2"), args.dtype))
+        for method in args.methods.split(","):
+            variants.append(Variant(f"{method} {label}", engine, method))
     report = run_variants(variants, prompts, args.max_new_tokens)
     print(format_table(report))
     for label, entry in report["methods"].items():
-        if label != "ar":
-            print(f"{label}: identical to AR on every prompt: {entry['identical_to_ar']}")
+        if not label.startswith("ar"):
+            print(f"{label}: identical to AR at {args.dtype} on every prompt: {entry['identical_to_ar']}")
+    fastest = max((label for label in report["methods"] if label.startswith("ar")),
+                  key=lambda label: report["methods"][label]["tokens_per_s"])
+    best = report["methods"][fastest]["tokens_per_s"]
+    print(f"fastest AR in this run: {fastest} at {best:.1f} tokens/s")
+    for label, entry in report["methods"].items():
+        print(f"  {label}: {entry['tokens_per_s'] / best:.2f}x the fastest AR")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

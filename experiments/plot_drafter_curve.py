@@ -34,12 +34,23 @@ def main() -> None:
     train = [(m["step"] * tokens_per_step, m["loss"]) for m in metrics if "loss" in m]
     evals = [(m["step"] * tokens_per_step, m["eval/tau_estimate"]) for m in metrics if "eval/tau_estimate" in m]
 
-    fig, (ax_tau, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    slot1 = [(m["step"] * tokens_per_step, m["slot1_accuracy"]) for m in metrics if "slot1_accuracy" in m]
+    window = max(1, len(slot1) // 20)  # each logged batch is 4 sequences: smooth over about 5% of the run
+    smoothed = [(slot1[i][0], sum(a for _, a in slot1[max(0, i - window + 1) : i + 1]) / len(slot1[max(0, i - window + 1) : i + 1]))
+                for i in range(len(slot1))]
+
+    fig, (ax_tau, ax_slot1, ax_loss) = plt.subplots(1, 3, figsize=(15, 4))
     ax_tau.plot(*zip(*evals), marker="o")
     ax_tau.set_xlabel("training tokens seen")
     ax_tau.set_ylabel("held-out tau estimate (teacher-forced)")
     ax_tau.set_title("acceptance length")
     ax_tau.grid(alpha=0.3)
+    if smoothed:
+        ax_slot1.plot(*zip(*smoothed))
+    ax_slot1.set_xlabel("training tokens seen")
+    ax_slot1.set_ylabel(f"train slot-1 accuracy (mean of the last {window} logs)")
+    ax_slot1.set_title("first draft slot, training batches")
+    ax_slot1.grid(alpha=0.3)
     ax_loss.plot(*zip(*train), linewidth=0.8)
     ax_loss.set_xlabel("training tokens seen")
     ax_loss.set_ylabel("train loss (decay-weighted CE)")
@@ -49,7 +60,7 @@ def main() -> None:
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
-    print(json.dumps({"plot": args.out, "evals": evals}))
+    print(json.dumps({"plot": args.out, "evals": evals, "slot1_accuracy_smoothed_last": smoothed[-1] if smoothed else None}))
 
 
 if __name__ == "__main__":
