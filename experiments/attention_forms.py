@@ -22,18 +22,6 @@ CASES = ((1, 1, 256), (1, 16, 256), (8, 1, 512), (16, 1, 256), (32, 1, 512), (64
          (8, 16, 512), (32, 16, 512))
 
 
-def per_head(q, k, v, mask):
-    from specjax.models.layers import MASK_VALUE, STANDARD_SCORES
-
-    batch, num_new, heads, dim = q.shape
-    kv = k.shape[2]
-    q = q.reshape(batch, num_new, kv, heads // kv, dim)
-    products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None], STANDARD_SCORES.logits(products, dim), MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32).reshape(q.shape[:2] + (heads, dim))
-
-
 def timed(fn, args, repeats):
     fn = jax.jit(fn)
     out = jax.block_until_ready(fn(*args))
@@ -46,7 +34,7 @@ def timed(fn, args, repeats):
 
 
 def main():
-    from specjax.models.layers import stacked_heads_attention, stacked_heads_pays
+    from specjax.models.layers import per_head_attention, stacked_heads_attention, stacked_heads_pays
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
@@ -64,7 +52,7 @@ def main():
             k = jax.random.normal(keys[1], (batch, slots, kv_heads, dim), dtype)
             v = jax.random.normal(keys[2], (batch, slots, kv_heads, dim), dtype)
             mask = jnp.ones((batch, num_new, slots), bool)
-            base_ms, base = timed(per_head, (q, k, v, mask), args.repeats)
+            base_ms, base = timed(per_head_attention, (q, k, v, mask), args.repeats)
             stacked_ms, stacked = timed(stacked_heads_attention, (q, k, v, mask), args.repeats)
             diff = float(jnp.max(jnp.abs(base.astype(jnp.float32) - stacked.astype(jnp.float32))))
             chosen = stacked_heads_pays(batch, num_new, kv_heads)

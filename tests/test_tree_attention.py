@@ -270,7 +270,8 @@ def test_kernel_lowers_to_triton_for_cuda(num_new, cache_length, head_dim, dtype
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("num_new,softcap", [(1, None), (1, 5.0), (3, None)])
 def test_stacked_heads_attention_equals_the_per_head_form(dtype, num_new, softcap):
-    from specjax.models.layers import grouped_query_attention, stacked_heads_attention, stacked_heads_pays
+    from specjax.models.layers import (grouped_query_attention, per_head_attention, stacked_heads_attention,
+                                       stacked_heads_pays)
     from specjax.pallas_kernels.scores import AttentionScores
 
     rng = np.random.default_rng(num_new)
@@ -281,6 +282,8 @@ def test_stacked_heads_attention_equals_the_per_head_form(dtype, num_new, softca
     scores = AttentionScores(softcap=softcap)
     assert not stacked_heads_pays(batch, num_new, kv_heads)  # 4 rows: the per-head form
     expected = grouped_query_attention(q, k, v, mask, scores)
+    per_head = per_head_attention(q, k, v, mask, scores)
+    np.testing.assert_array_equal(np.asarray(expected, np.float32), np.asarray(per_head, np.float32))
     actual = stacked_heads_attention(q, k, v, mask, scores)
     tolerance = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else BF16_TOLERANCE
     np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), **tolerance)

@@ -146,10 +146,15 @@ def sliding_masks(write_index, positions, block_mask, window: int, ring: int):
 def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
     """q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] -> [B, T, H, D]. scores: the logits'
     scale and optional soft cap."""
+    if stacked_heads_pays(q.shape[0], q.shape[1], k.shape[2]):
+        return stacked_heads_attention(q, k, v, mask, scores)
+    return per_head_attention(q, k, v, mask, scores)
+
+
+def per_head_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
+    """grouped_query_attention as one einsum per KV head group (its default form); same shapes."""
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
-    if stacked_heads_pays(batch, num_new, num_kv):
-        return stacked_heads_attention(q, k, v, mask, scores)
     q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
     products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
