@@ -9,6 +9,11 @@ accumulation (`models/layers.py:accumulate_in_float32`; single rows padded to tw
 softmax and RoPE. Times are medians of jitted calls, measured side by side in one process, with the
 cache donated. The ratio column is each T against T=1 of the same dtype; `vs fastest step` is against
 the fastest 1-token step of either dtype, which is what a speculative step has to beat.
+
+With --tree-packing, each dtype also times a tree-shaped pass at T = 4, 8, 16 and 32 (a random tree,
+each node's parent drawn from the nodes before it) twice, side by side: with the ancestor mask alone,
+and with the visible tokens packed at AR's slots (`forward(pack_visible=True)`, what `verify_tree`
+runs so trees round as AR does). The packed column's ratio is that exactness's price.
 """
 
 from __future__ import annotations
@@ -18,11 +23,35 @@ import dataclasses
 import json
 import statistics
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+TREE_SIZES = (4, 8, 16, 32)
+
+
+def random_tree_mask(num_new: int, seed: int = 0):
+    """[1, T, T] ancestor-or-self mask of a random tree whose parents precede their children."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    mask = np.eye(num_new, dtype=bool)
+    for node in range(1, num_new):
+        mask[node] |= mask[int(rng.integers(0, node))]
+    return jnp.asarray(mask[None])
+
+
+def median_ms(step, params, cache, repeats, *args):
+    """Median wall time of `repeats` calls of step(params, cache, *args) -> (logits, cache), cache donated."""
+    logits, cache = jax.block_until_ready(step(params, cache, *args))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logits, cache = jax.block_until_ready(step(params, cache, *args))
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -30,6 +59,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cache-length", type=int, default=256)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--tree-packing", action="store_true", help="also time tree passes, packed and plain")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -39,6 +69,7 @@ def main() -> None:
 
     base = load_model("smollm2")
     results: dict[str, dict[int, float]] = {}
+    tree_results: dict[str, dict[int, dict[str, float]]] = {}
     for dtype in args.dtypes.split(","):
         config = dataclasses.replace(base.config, dtype=dtype)
         params = jax.tree.map(lambda a: a.astype(dtype), base.params)
@@ -48,20 +79,33 @@ def main() -> None:
             out = forward(params, config, tokens, positions, cache, write_index)
             return out.logits, out.cache
 
+        @partial(jax.jit, static_argnames="pack")
+        def tree_step(params, cache, tokens, positions, write_index, mask, pack):
+            out = forward(params, config, tokens, positions, cache, write_index, block_mask=mask, pack_visible=pack)
+            return out.logits, out.cache
+
         results[dtype] = {}
+        write_index = jnp.asarray([100], jnp.int32)
         for num_new in SIZES:
             tokens = jnp.ones((1, num_new), jnp.int32)
-            write_index = jnp.asarray([100], jnp.int32)
             positions = write_index[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
             cache = KVCache.zeros(config, 1, args.cache_length)
-            logits, cache = jax.block_until_ready(step(params, cache, tokens, positions, write_index))  # compile
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                logits, cache = jax.block_until_ready(step(params, cache, tokens, positions, write_index))
-                times.append(time.perf_counter() - start)
-            results[dtype][num_new] = 1000 * statistics.median(times)
+            results[dtype][num_new] = median_ms(step, params, cache, args.repeats, tokens, positions, write_index)
             print(f"{dtype:9s} T={num_new:3d} {results[dtype][num_new]:7.1f} ms", flush=True)
+        if args.tree_packing:
+            tree_results[dtype] = {}
+            for num_new in TREE_SIZES:
+                mask = random_tree_mask(num_new)
+                tokens = jnp.ones((1, num_new), jnp.int32)
+                positions = write_index[:, None] + jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1  # 100 + depth
+                row = {}
+                for pack in (False, True):
+                    cache = KVCache.zeros(config, 1, args.cache_length)
+                    row["packed" if pack else "plain"] = median_ms(tree_step, params, cache, args.repeats, tokens,
+                                                                   positions, write_index, mask, pack)
+                tree_results[dtype][num_new] = row
+                print(f"{dtype:9s} tree T={num_new:3d} plain {row['plain']:7.1f} ms, packed {row['packed']:7.1f} ms",
+                      flush=True)
 
     fastest_step = min(r[1] for r in results.values())
     print("\n| T | " + " | ".join(f"{d} ms | {d} / its T=1" for d in results) + " | fastest dtype at T / fastest 1-token step |")
@@ -70,10 +114,18 @@ def main() -> None:
         cells = " | ".join(f"{r[num_new]:.1f} | {r[num_new] / r[1]:.2f}x" for r in results.values())
         best = min(r[num_new] for r in results.values())
         print(f"| {num_new} | {cells} | {best / fastest_step:.2f}x |")
+    if tree_results:
+        print("\n| tree T | " + " | ".join(f"{d} plain ms | {d} packed ms | packed / plain" for d in tree_results) + " |")
+        print("|---|" + "---|---|---|" * len(tree_results))
+        for num_new in TREE_SIZES:
+            cells = " | ".join(f"{r[num_new]['plain']:.1f} | {r[num_new]['packed']:.1f} | "
+                               f"{r[num_new]['packed'] / r[num_new]['plain']:.2f}x" for r in tree_results.values())
+            print(f"| {num_new} | {cells} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cache_length": args.cache_length, "repeats": args.repeats,
-                       "ms": {d: {str(t): v for t, v in r.items()} for d, r in results.items()}}, f, indent=1)
+                       "ms": {d: {str(t): v for t, v in r.items()} for d, r in results.items()},
+                       "tree_ms": {d: {str(t): v for t, v in r.items()} for d, r in tree_results.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -109,16 +109,18 @@ def test_padded_decode_steps_are_bitwise_the_verify_pass(target, dtype):
         assert one.logits.shape == (1, 1, model.config.vocab_size)
         np.testing.assert_array_equal(np.asarray(one.logits[0, 0]), np.asarray(whole.logits[0, i]))
         cache = one.cache
-    # A tree-shaped pass (token 3, then siblings 8 and 1 at the same position) keeps its rows when
-    # padded: each equals the causal pass along its own path.
-    siblings = jnp.asarray([[[True, False, False], [True, True, False], [True, False, True]]])
+    # A tree-shaped pass (token 3, then siblings 8 and 1 at the same position, then 4 under 1) with its
+    # visible tokens packed (what verify_tree runs): each row is bitwise the causal pass along its path.
+    tree_mask = jnp.asarray([[[True, False, False, False], [True, True, False, False], [True, False, True, False],
+                              [True, False, True, True]]])
     at = jnp.asarray([len(prompt)])
-    tree = jax.jit(lambda c, t, m: forward(model.params, padded, t, at[:, None] + jnp.asarray([[0, 1, 1]]), c, at,
-                                           block_mask=m))(cache, jnp.asarray([[3, 8, 1]]), siblings)
-    for row, path in ((1, [3, 8]), (2, [3, 1])):
-        along = run(model.config, cache, jnp.asarray([path]), at)
-        np.testing.assert_allclose(np.asarray(tree.logits[0, row]), np.asarray(along.logits[0, 1]), atol=0.05)
-    assert tree.logits.shape == (1, 3, model.config.vocab_size)
+    tree = jax.jit(lambda c, t, m: forward(model.params, padded, t, at[:, None] + jnp.asarray([[0, 1, 1, 2]]), c, at,
+                                           block_mask=m, pack_visible=True))(cache, jnp.asarray([[3, 8, 1, 4]]),
+                                                                             tree_mask)
+    for row, path in ((1, [3, 8]), (2, [3, 1]), (3, [3, 1, 4])):
+        along = run(padded, cache, jnp.asarray([path]), at)
+        np.testing.assert_array_equal(np.asarray(tree.logits[0, row]), np.asarray(along.logits[0, len(path) - 1]))
+    assert tree.logits.shape == (1, 4, model.config.vocab_size)
 
 
 @pytest.mark.parametrize("method", ["chain", pytest.param("tree", marks=pytest.mark.slow)])

@@ -301,3 +301,46 @@ def test_the_stacked_form_is_chosen_for_many_rows_of_one_token_on_cpu():
     assert not stacked_heads_pays(STACKED_HEADS_MIN_BATCH - 1, 1, 3)
     assert not stacked_heads_pays(64, 16, 3)  # a verify block: per head
     assert not stacked_heads_pays(64, 1, 8)  # many KV heads: K-fold products would cost more than the copy
+
+
+# ---- trees read their ancestors at AR's slots (packed_slots) ----
+
+def test_packed_slots_put_each_querys_ancestors_right_after_the_prefix():
+    from specjax.models.layers import attention_mask, packed_slots
+
+    parents = [-1, 0, 0, 2, 1, 3]
+    mask = mask_from_parents(parents)
+    write_index, slots = 5, 14
+    packed = packed_slots(jnp.asarray([write_index]), len(parents), slots, jnp.asarray(mask[None]))
+    source, visible = np.asarray(packed.source[0]), np.asarray(packed.visible[0])
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]  # root .. node, the order AR decoding wrote them in
+        expected_source = list(range(write_index)) + [write_index + u for u in path]
+        assert list(source[node, : len(expected_source)]) == expected_source
+        assert visible[node].tolist() == [s < write_index + len(path) for s in range(slots)]
+    # A causal block packs to itself: the chain's and AR's layout.
+    causal = packed_slots(jnp.asarray([write_index]), 4, slots, jnp.asarray(chain_mask(4)[None]))
+    assert (np.asarray(causal.source[0]) == np.arange(slots)).all()
+    np.testing.assert_array_equal(np.asarray(causal.visible), np.asarray(attention_mask(jnp.asarray([write_index]), 4, slots, None)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_attention_equals_attention_over_a_reordered_cache(dtype):
+    """A query's packed attention is plain attention over a cache holding its ancestors at AR's slots."""
+    from specjax.models.layers import packed_attention, packed_slots, per_head_attention
+
+    rng = np.random.default_rng(3)
+    parents, write_index, slots = [-1, 0, 1, 0, 3], 7, 16
+    mask = jnp.asarray(mask_from_parents(parents)[None])
+    q = jnp.asarray(rng.normal(size=(1, len(parents), 6, 16)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(1, slots, 3, 16)), dtype) for _ in range(2))
+    packed = packed_slots(jnp.asarray([write_index]), len(parents), slots, mask)
+    out = packed_attention(q, k, v, packed)
+    for node in range(len(parents)):
+        order = np.asarray(packed.source[0, node])
+        alone = per_head_attention(q[:, node : node + 1], k[:, order], v[:, order], packed.visible[:, node : node + 1])
+        np.testing.assert_allclose(np.asarray(out[:, node], np.float32), np.asarray(alone[:, 0], np.float32),
+                                   atol=1e-6 if dtype == jnp.float32 else 1e-2)

@@ -30,7 +30,7 @@ from flax import struct
 from specjax.files import make_dir
 
 
-LATENCY_FORMAT = 5
+LATENCY_FORMAT = 6
 """Bumped whenever what a step does changes, so stale measurements on disk are not reused."""
 
 

@@ -340,7 +340,7 @@ def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree
     positions = lengths[:, None] + tree.depth  # [B, N]
     out = forward(target_params, target_config, tree.token, positions, target_cache, lengths,
                   block_mask=ancestor_mask(tree, max_depth), hidden_layers=taps,
-                  attend_slots=attend_slots)  # logits [B, N, V], hidden [B, N, taps, d]
+                  attend_slots=attend_slots, pack_visible=True)  # logits [B, N, V], hidden [B, N, taps, d]
     if draw is None:
         n, next_token, path = accept_tree(tree, out.logits, sampling, rng, max_depth)  # path [B, K+1]
     else:

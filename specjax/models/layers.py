@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +112,43 @@ def attention_mask(write_index: jax.Array, num_new: int, max_length: int, block_
     return committed | (in_block[:, None, :] & gathered)
 
 
+class PackedSlots(NamedTuple):
+    """A full layer's view of the cache in which every query reads its visible new tokens packed into
+    consecutive slots right after the committed prefix (`packed_slots`)."""
+
+    source: jax.Array
+    """[B, T, S] int32: the cache slot that attention position s of query t reads."""
+    visible: jax.Array
+    """[B, T, S] bool: whether query t attends to position s."""
+
+
+def packed_slots(write_index: jax.Array, num_new: int, max_length: int, block_mask: jax.Array) -> PackedSlots:
+    """attention_mask's visibility with each query's visible new tokens moved to consecutive positions.
+
+    A tree node at depth d sees the committed prefix and its d ancestors. Under the plain mask those
+    ancestors sit wherever the tree put them (slots write_index + node index); one token at a time,
+    autoregressive decoding has the same tokens at slots write_index .. write_index + d. Softmax sums
+    and the value dot are reductions over slots, and vectorised reductions (XLA:CPU on AVX-512 and AMX,
+    measured) round differently when the same terms sit at other slots: bf16 trees then drifted from AR
+    at near-ties. Packing gives every query AR's positions, so its sums round as AR's do.
+
+    The new tokens a query sees are packed in index order, which is depth order whenever a parent's
+    index is below its children's (true of every tree this project builds). A causal block packs to
+    the identity. Returns PackedSlots with S = max_length."""
+    batch = write_index.shape[0]
+    slots = jnp.arange(max_length, dtype=jnp.int32)  # [S]
+    rel = slots[None, :] - write_index[:, None]  # [B, S]  slot offset inside the new block
+    in_block = (rel >= 0) & (rel < num_new)  # [B, S]
+    # A stable sort on "not visible" lists each query's visible new tokens first, in index order.
+    order = jnp.argsort(~block_mask, axis=-1, stable=True).astype(jnp.int32)  # [B, T, T]
+    count = jnp.sum(block_mask, axis=-1, dtype=jnp.int32)  # [B, T] visible new tokens per query
+    offset = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1)[:, None, :], (batch, num_new, max_length))
+    picked = jnp.take_along_axis(order, offset, axis=2)  # [B, T, S]
+    source = jnp.where(in_block[:, None, :], write_index[:, None, None] + picked, slots[None, None, :])
+    visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & (rel[:, None, :] < count[:, :, None]))
+    return PackedSlots(source.astype(jnp.int32), visible)
+
+
 def causal_block_mask(batch: int, num_new: int) -> jax.Array:
     """The default rule among T new tokens, each sees itself and those before it: [B, T, T] bool."""
     return jnp.broadcast_to(jnp.tril(jnp.ones((num_new, num_new), bool)), (batch, num_new, num_new))
@@ -160,6 +197,23 @@ def per_head_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES)
     logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, num_new, num_heads, head_dim)
+
+
+def packed_attention(q, k, v, packed: PackedSlots, scores: AttentionScores = STANDARD_SCORES):
+    """per_head_attention over the slot order of `packed` (see packed_slots): q [B, T, H, D]; k, v
+    [B, S, K, D] -> [B, T, H, D]. Scores are computed against the cache as it is and then moved; values
+    are gathered per query ([B, T, S, K, D], T copies of the read slots), so the value dot reduces
+    over the same positions as AR's. That copy is the price of exact trees."""
+    batch, num_new, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
+    products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
+    products = jnp.take_along_axis(products, packed.source[:, None, None], axis=-1)  # [B, K, G, T, S]
+    logits = jnp.where(packed.visible[:, None, None], scores.logits(products, head_dim), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    per_query = jnp.take_along_axis(v[:, None], packed.source[:, :, :, None, None], axis=2)  # [B, T, S, K, D]
+    out = jnp.einsum("BKGTS,BTSKD->BTKGD", probs, per_query, preferred_element_type=jnp.float32)
     return out.reshape(batch, num_new, num_heads, head_dim)
 
 

@@ -18,8 +18,9 @@ from flax import struct
 
 from specjax.models.cache import KVCache, read_cache, ring_index, write_ring, write_rows
 from specjax.models.config import TransformerConfig
-from specjax.models.layers import (RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense,
-                                   dot_general_for, grouped_query_attention, rope_tables, sliding_masks)
+from specjax.models.layers import (PackedSlots, RMSNorm, SwiGLU, apply_rope, attention_mask, causal_block_mask, dense,
+                                   dot_general_for, grouped_query_attention, packed_attention, packed_slots,
+                                   rope_tables, sliding_masks)
 from specjax.pallas_kernels.tree_attention import tree_attention_op
 from specjax.pallas_kernels.window_attention import masked_attention, merge_attention, window_attention_op
 
@@ -32,7 +33,8 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions, valid_lengths=None,
                  empty_cache: bool = False):
-        """mask: for a full layer, [B, T, S] over the cache after this step's write (XLA path); for a
+        """mask: for a full layer, [B, T, S] over the cache after this step's write, or its PackedSlots
+        form (XLA path); for a
         sliding layer, the pair (committed [B, T, R], own [B, T, T]) of `sliding_masks`.
         block_mask: [B, T, T] among the new tokens (causal when None), the structured form the
         kernels take instead of a dense mask; positions: [B, T] the new tokens' positions;
@@ -72,9 +74,11 @@ class Attention(nn.Module):
             else:
                 # A mask shorter than the cache (forward's attend_slots) reads only that many slots:
                 # attention then costs what the rows' contexts need, not the whole cache.
-                read = mask.shape[-1]
-                out = grouped_query_attention(q, read_cache(cached_k[:, :read], dtype), read_cache(cached_v[:, :read], dtype),
-                                              mask, scores)  # [B, T, H, D]
+                packed = isinstance(mask, PackedSlots)
+                read = (mask.visible if packed else mask).shape[-1]
+                attend = packed_attention if packed else grouped_query_attention
+                out = attend(q, read_cache(cached_k[:, :read], dtype), read_cache(cached_v[:, :read], dtype), mask,
+                             scores)  # [B, T, H, D]
         out = dense(cfg.hidden_size, cfg.attention_bias, dtype, "o_proj")(
             out.reshape(batch, num_new, cfg.num_heads * cfg.head_dim)
         )
@@ -180,7 +184,7 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens, positions, cache: KVCache, write_index, block_mask=None,
                  hidden_layers: Sequence[int] = (), logit_positions=None, valid_lengths=None,
-                 empty_cache: bool = False, attend_slots: int | None = None):
+                 empty_cache: bool = False, attend_slots: int | None = None, pack_visible: bool = False):
         cfg = self.config
         x = self.embed(tokens)  # [B, T, d]
         # One (cos, sin) pair per distinct RoPE base: Gemma 3's sliding layers use their own.
@@ -192,8 +196,11 @@ class Transformer(nn.Module):
         if any(cfg.layer_window(i) is None for i in range(cfg.num_layers)) and cfg.attention != "pallas":
             full_length = max(cache.keys[i].shape[1] for i in range(cfg.num_layers) if cfg.layer_window(i) is None)
             # Full layers read only the first attend_slots slots (the mask's length; see Attention).
-            full_mask = attention_mask(write_index, tokens.shape[1], min(full_length, attend_slots or full_length),
-                                       block_mask)
+            read = min(full_length, attend_slots or full_length)
+            if pack_visible and block_mask is not None:
+                full_mask = packed_slots(write_index, tokens.shape[1], read, block_mask)
+            else:
+                full_mask = attention_mask(write_index, tokens.shape[1], read, block_mask)
         sliding = {}  # (window, ring slots) -> (committed [B, T, R], own [B, T, T]), shared by such layers
         keys, values, taps = [], [], {}
         for i, layer in enumerate(self.layers):
@@ -227,7 +234,8 @@ def init_params(config: TransformerConfig, rng: jax.Array):
 
 def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache, write_index,
             block_mask=None, hidden_layers: Sequence[int] = (), logit_positions=None,
-            valid_lengths=None, empty_cache: bool = False, attend_slots: int | None = None) -> ForwardOutput:
+            valid_lengths=None, empty_cache: bool = False, attend_slots: int | None = None,
+            pack_visible: bool = False) -> ForwardOutput:
     """Run T new tokens through the model at any cache position.
 
     tokens, positions: [B, T] int32 (RoPE positions; need not equal cache slots).
@@ -246,6 +254,10 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
     attend_slots: static; full-attention layers (XLA path) attend to the first attend_slots cache slots
       only. The caller guarantees every row's write_index + T (padded) <= attend_slots, so no visible
       slot is cut; a batched step then costs what its longest context needs.
+    pack_visible: static; full-attention layers (XLA path) read each query's visible new tokens packed
+      right after the committed prefix (layers.packed_slots), so a tree node's attention sums its
+      ancestors at the slots AR decoding has them at and rounds as AR does. Sliding layers and the
+      Pallas path keep the block's own layout.
     """
     hidden_layers = tuple(hidden_layers)
     for i in hidden_layers:
@@ -259,7 +271,7 @@ def forward(params, config: TransformerConfig, tokens, positions, cache: KVCache
                                                                           logit_positions, pad)
     out = Transformer(config).apply(
         {"params": params}, tokens, positions, cache, write_index, block_mask, hidden_layers, logit_positions,
-        valid_lengths, empty_cache, attend_slots
+        valid_lengths, empty_cache, attend_slots, pack_visible
     )
     if not pad:
         return out
