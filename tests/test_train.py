@@ -113,3 +113,39 @@ def test_held_out_answers_stuck_in_a_loop_are_left_out_of_the_estimate():
     all_looping = DistillationSet(tokens=tokens[[1]], labels=tokens[[1]], valid=valid[[1]],
                                   features=data.features[[1]], target_layer_ids=(1,))
     assert without_looping(all_looping) == (all_looping, 0)
+
+
+def test_chain_walk_follows_the_anchors_decoding_visits():
+    from specjax.train.drafter import chain_walk, chain_walk_tau
+
+    runs = np.full((2, 12), -1, np.int32)
+    runs[0, 2:11] = [3, 0, 0, 0, 0, 1, 0, 0, 0]  # a long run at the first anchor, then short ones
+    runs[1, 4:11] = [0, 0, 0, 0, 0, 0, 0]
+    valid = np.zeros((2, 12), bool)
+    valid[0, 2:] = valid[1, 4:] = True
+    # Row 0: anchor 2 accepts 3 (tokens 3..6), anchor 6 accepts 0, 7 accepts 1, 9 accepts 0, then 10.
+    assert chain_walk(runs, valid) == [[3, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0]]
+    # Five tokens: the prefill's, then 4 (row 0), or 1 four times (row 1).
+    assert chain_walk(runs, valid, max_new_tokens=5) == [[3], [0, 0, 0, 0]]
+    assert chain_walk_tau(runs[:1], valid[:1]) == (4 + 1 + 2 + 1 + 1) / 5
+    # Averaging over every position would count the easy start once per position it covers.
+    assert np.mean(runs[0, 2:11] + 1) != chain_walk_tau(runs[:1], valid[:1])
+
+
+def test_chain_walk_on_greedy_answers_is_what_chain_decoding_measures(target, drafter, tmp_path):
+    """Teacher forcing walked like decoding gives decoding's own accepted-length histogram."""
+    from specjax.train.drafter import accepted_runs, build_distillation_set, chain_walk
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, target.config.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(6)]
+    engine = Engine(target, drafter, latency_cache=False)
+    answers = engine.generate(prompts, 40, ignore_eos=True).tokens
+    data = build_distillation_set(target.params, target.config, [(p + a, len(p)) for p, a in zip(prompts, answers)],
+                                  tmp_path / "greedy", drafter.config.target_layer_ids, seq_len=48,
+                                  teacher_labels=False, progress=False)
+    runs = accepted_runs(drafter.params, drafter.config, target.params, target.config, data, anchors_per_call=16)
+    walks = chain_walk(runs, np.asarray(data.valid), max_new_tokens=24)
+    stats = engine.generate(prompts, 24, ignore_eos=True, method="chain").stats
+    expected = np.bincount([n for walk in walks for n in walk], minlength=drafter.config.block_size)
+    assert stats["accepted_length_histogram"] == expected.tolist()
+    assert sum(len(w) for w in walks) > len(prompts)  # the drafter accepts something, so walks are not trivial

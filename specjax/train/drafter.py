@@ -354,6 +354,76 @@ def heldout_tau(heldout: DistillationSet, train_config: DrafterTrainConfig, draf
     return lambda params: float(np.mean([tau(params, b) for b in batches]))
 
 
+def accepted_runs(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
+                  data: DistillationSet, draft_vocab=None, anchors_per_call: int = 64) -> np.ndarray:
+    """[N, T] int32: at every anchor position a of every sequence, how many leading drafted slots of
+    a's block equal the labels under teacher forcing (what one greedy chain step from anchor a
+    accepts); -1 where position a + 1 holds no valid label."""
+    draft_vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+    label_index = label_index_for(draft_vocab, target_config.vocab_size)
+    head = head_matrix(target_params, target_config, draft_vocab)
+
+    @jax.jit
+    def runs_at(params, batch):
+        logits = drafter_block_logits(params, drafter_config, target_params, target_config, batch["tokens"],
+                                      batch["features"], batch["anchors"], head)  # [1, A, K, V']
+        labels, valid = _draft_labels(batch, drafter_config.block_size, label_index)
+        match = (jnp.argmax(logits, -1) == labels) & valid
+        return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)  # [1, A]
+
+    num, seq_len = data.tokens.shape
+    out = np.full((num, seq_len), -1, np.int32)
+    starts = range(0, seq_len, anchors_per_call)
+    for r in range(num):
+        valid = np.asarray(data.valid[r])
+        if not valid[1:].any():
+            continue
+        row = {"tokens": np.asarray(data.tokens[r])[None], "labels": np.asarray(data.labels[r])[None],
+               "valid": valid[None], "features": np.asarray(data.features[r])[None]}
+        for start in starts:
+            if not valid[start + 1 : start + anchors_per_call + 1].any():
+                continue  # no anchor here has a label to accept (a prompt, or padding)
+            anchors = np.minimum(np.arange(start, start + anchors_per_call), seq_len - 1).astype(np.int32)
+            runs = np.asarray(runs_at(drafter_params, dict(row, anchors=anchors[None])))[0]
+            keep = anchors[: min(anchors_per_call, seq_len - start)]
+            out[r, keep] = runs[: len(keep)]
+        out[r, :-1] = np.where(valid[1:], out[r, :-1], -1)
+        out[r, -1] = -1
+    return out
+
+
+def chain_walk(runs: np.ndarray, valid: np.ndarray, max_new_tokens: int | None = None) -> list[list[int]]:
+    """Per sequence, the accepted-draft count of each step greedy chain decoding takes on it under
+    teacher forcing, each step starting at the anchor the last one left.
+
+    runs: accepted_runs' [N, T]; valid: [N, T] labelled positions. A walk starts at a sequence's first
+    labelled token (decoding gets it from the prefill); a step at anchor a accepts runs[a] drafts and
+    adds the target's own token, so the next anchor is a + runs[a] + 1. Like the decode loop, a walk
+    stops once max_new_tokens (default: the labelled count) tokens are out, or at the labels' end."""
+    walks = []
+    for r in range(runs.shape[0]):
+        labelled = np.flatnonzero(valid[r])
+        steps: list[int] = []
+        if len(labelled):
+            anchor, generated = int(labelled[0]), 1
+            budget = len(labelled) if max_new_tokens is None else max_new_tokens
+            while generated < budget and anchor < runs.shape[1] and runs[r, anchor] >= 0:
+                accepted = int(runs[r, anchor])
+                steps.append(accepted)
+                generated, anchor = generated + accepted + 1, anchor + accepted + 1
+        walks.append(steps)
+    return walks
+
+
+def chain_walk_tau(runs: np.ndarray, valid: np.ndarray, max_new_tokens: int | None = None) -> float:
+    """Tokens committed per step over every sequence's chain_walk: the acceptance length greedy chain
+    decoding would measure on these sequences. Averaging runs + 1 over every position instead
+    (estimate_tau_array) weights an easy stretch by its length rather than by the few steps decoding
+    spends in it: for the bf16 v3 drafter on held-out chat it read 2.7 where real decoding measured 1.3."""
+    steps = [n for walk in chain_walk(runs, valid, max_new_tokens) for n in walk]
+    return float(np.mean(steps)) + 1.0 if steps else 0.0
+
+
 def check_taps(data: DistillationSet | Sequence[DistillationSet], drafter_config: DrafterConfig) -> None:
     """Refuse distillation sets whose stored features come from other target layers."""
     for d in [data] if isinstance(data, DistillationSet) else data:
