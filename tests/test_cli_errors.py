@@ -130,6 +130,16 @@ def test_training_numbers_are_checked_before_any_data_is_built(tmp_path, capsys,
     assert not out.exists(), "a refused run must leave no folder behind"
 
 
+def test_more_self_instruct_prompts_than_instructions_exist(tmp_path, capsys, no_heavy_work):
+    from specjax.data.prompts import self_instruct_capacity
+
+    out = tmp_path / "run"
+    too_many = str(self_instruct_capacity() + 1)
+    refused(["train-drafter", "--out", str(out), "--self-instruct-prompts", too_many], capsys, "self_instruct_prompts",
+            too_many, str(self_instruct_capacity()))
+    assert not out.exists()
+
+
 # ---- flags that would be ignored ----
 
 def test_window_flag_on_autoregressive_decoding(capsys, no_heavy_work):

@@ -83,3 +83,20 @@ def test_a_written_request_is_cleaned_and_one_that_touches_the_held_out_set_is_d
     for fine in ("How can I keep my houseplants alive in winter?", "Explain recursion with a Python example.",
                  "What should a beginner know before running a marathon?"):
         assert p.clean_self_instruct(fine) == fine
+    # Lead-ins and speaker labels go; the quoted request stays.
+    assert p.clean_self_instruct('A cook might ask: "What is the best way to store fresh herbs?') == \
+        "What is the best way to store fresh herbs?"
+    assert p.clean_self_instruct('What a lovely idea! A runner could ask, "How should I pace a 10k race?"') == \
+        "How should I pace a 10k race?"
+    assert p.clean_self_instruct("Teacher: How can I explain fractions with pizza?") == \
+        "How can I explain fractions with pizza?"
+    assert p.clean_self_instruct("I'm looking for advice on pruning apple trees.") == \
+        "I'm looking for advice on pruning apple trees."
+    for not_a_request in (
+            "A teacher might send a request like this:",  # the request never comes
+            "I'm a helpful AI designed to assist with gardening. What can I help you with today?",
+            "I'm so glad you asked about knitting. Let me know what you need!",
+            "What is a practical question about bees that a student could ask?",  # the instruction echoed
+            "The task is to explain, write, list, or compare a vegetable garden.",
+            "The piano is a magical instrument that has inspired people for centuries."):  # no request at all
+        assert p.clean_self_instruct(not_a_request) is None, not_a_request

@@ -243,10 +243,15 @@ _STOPWORDS = frozenset(
     "want need know like use used using let".split())
 
 
+def self_instruct_capacity() -> int:
+    """How many distinct self-instruct instructions exist (topics x templates x askers)."""
+    return len(_SELF_INSTRUCT_TOPICS) * len(_SELF_INSTRUCT_TEMPLATES) * len(_SELF_INSTRUCT_ASKERS)
+
+
 def self_instruct_requests(count: int, seed: int = 0) -> list[str]:
     """count distinct instructions that ask the target to write a user's request (topic x template x
     asker, drawn without repetition). Greedy decoding answers equal instructions alike, so they must differ."""
-    space = len(_SELF_INSTRUCT_TOPICS) * len(_SELF_INSTRUCT_TEMPLATES) * len(_SELF_INSTRUCT_ASKERS)
+    space = self_instruct_capacity()
     if count > space:
         raise ValueError(f"at most {space} distinct self-instruct requests exist; asked for {count}")
     rng = random.Random(seed)
@@ -299,10 +304,29 @@ def touches_heldout(prompt: str, shared_words: int = 2, run: int = 5) -> bool:
             or any(len(mine & theirs) >= shared_words for theirs in heldout_words))
 
 
+# "A teacher might ask: "...", "A cook could ask, "...", "A: "...": the request is the quoted part.
+_QUOTED_AFTER_LEAD_IN = re.compile(r'^[^"“]{0,120}?[:,]\s*["“](?P<request>[^"“”]+)["”]?\s*$')
+# The assistant talking about itself, or echoing the instruction, rather than writing a user's request.
+_NOT_A_REQUEST = re.compile(
+    r"^((i'm|i am) (a|an|here|so|very|glad|happy|excited|ready|sorry)|i'd be|as an ai|here's|here is|sure|certainly"
+    r"|of course|great question|what a \w+ (question|idea)"
+    r"|the (task|question|request|instruction) is)\b"
+    r"|\b(helpful (ai|assistant)|smollm|an ai (designed|named|assistant)|practical question about"
+    r"|explain, write, list|what brings you|welcome to my|i'm (so |very )?(glad|happy|excited|here))\b",
+    re.IGNORECASE)
+# How a user's request opens when it does not end in a question mark.
+_REQUEST_OPENINGS = frozenset(
+    "write explain list compare describe give suggest tell name create plan help summarize summarise recommend "
+    "draft outline teach show compose design find make share provide translate rewrite can could please "
+    "i'm i need i want i'd how what why which where when who is are should".split())
+
+
 def clean_self_instruct(answer: str, min_chars: int = 15, max_chars: int = 400) -> str | None:
     """The request in a target's answer to a self-instruct instruction, or None when it has none:
-    the first non-empty line, without a leading label ("Question:") or surrounding quotes. A request
-    that is not one sentence-like line, or that touches a held-out prompt, is dropped."""
+    the first non-empty line, without a leading label ("Question:"), a lead-in ('A cook might ask:
+    "...') or surrounding quotes. A line that is not one sentence-like request (a question, or one that
+    opens like a request), that is the assistant talking about itself or echoing the instruction, or
+    that touches a held-out prompt, is dropped."""
     for line in answer.splitlines():
         line = line.strip()
         if line:
@@ -311,9 +335,17 @@ def clean_self_instruct(answer: str, min_chars: int = 15, max_chars: int = 400) 
         return None
     line = re.sub(r"^(\*\*)?(question|request|task|message|instruction|prompt)( \d+)?\s*:\s*(\*\*)?\s*", "", line,
                   flags=re.IGNORECASE)
+    line = re.sub(r"^[A-Z][a-z]+( [a-z]+)?:\s+", "", line)  # the asker as a speaker label ("Teacher: ...")
+    quoted = _QUOTED_AFTER_LEAD_IN.match(line)
+    if quoted:
+        line = quoted.group("request")
     line = line.strip().strip('"“”').strip()
     if not min_chars <= len(line) <= max_chars or not re.search(r"[a-zA-Z]{3}", line):
         return None
-    if line[-1] not in ".?!:" or touches_heldout(line):
+    if line[-1] not in ".?!" or _NOT_A_REQUEST.search(line) or touches_heldout(line):
+        return None
+    words = re.findall(r"[a-z']+", line.lower())
+    opening = " ".join(words[:2]) if words[:1] == ["i"] else (words[0] if words else "")
+    if not line.endswith("?") and opening not in _REQUEST_OPENINGS:
         return None
     return line
