@@ -34,8 +34,8 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, cached_k, cached_v, write_index, mask, block_mask, positions, valid_lengths=None,
                  empty_cache: bool = False):
         """mask: for a full layer, [B, T, S] over the cache after this step's write, or its PackedSlots
-        form (XLA path); for a
-        sliding layer, the pair (committed [B, T, R], own [B, T, T]) of `sliding_masks`.
+        form (XLA path); for a sliding layer, the pair (committed [B, T, R], own [B, T, T]) of
+        `sliding_masks`.
         block_mask: [B, T, T] among the new tokens (causal when None), the structured form the
         kernels take instead of a dense mask; positions: [B, T] the new tokens' positions;
         valid_lengths: [B] new tokens per row worth keeping in a ring (default all); empty_cache:
