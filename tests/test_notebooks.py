@@ -72,7 +72,9 @@ def _fractions(xs) -> bool:
 
 
 CI_SIZES = {
-    "01_block_diffusion_drafting": dict(PROMPTS=1, MAX_NEW_TOKENS=24),
+    # Two prompts: the first ("What is the capital of France?") is answered in 8 tokens, too few for the
+    # committed drafter to have a draft accepted.
+    "01_block_diffusion_drafting": dict(PROMPTS=2, MAX_NEW_TOKENS=24),
     "02_causal_refiner": dict(PROMPTS=1, MAX_NEW_TOKENS=24, REFINE_PASSES=(1,)),
     "03_budget_aware_trees": dict(PROMPTS=1, MAX_NEW_TOKENS=24, FIXED_SIZES=(2, 4), AUTO_BUCKETS=(1, 2, 4)),
     "04_windowed_drafting": dict(CONTEXTS=(256, 512, 1024), WINDOW=128, PROMPT_TOKENS=320, MAX_NEW_TOKENS=16),
@@ -86,8 +88,9 @@ CI_SIZES = {
 }
 
 EXPECTATIONS = {
-    # tau > 1: the committed drafter has some draft accepted on the CI prompt (tau 1.40 measured); a
-    # drafter whose drafts never survive would still give AR's output, at tau exactly 1.
+    # tau > 1: the committed drafter has some draft accepted on the CI prompts (v3: tau 1.0 on the
+    # first alone, 1.53 on the second); a drafter whose drafts never survive would still give AR's
+    # output, at tau exactly 1.
     "01_block_diffusion_drafting": dict(
         tau=lambda t: t > 1.0, speedup_vs_ar=lambda s: s > 0, identical_to_ar=lambda same: same is True,
         ar_tokens_per_s=lambda s: s > 0, chain_tokens_per_s=lambda s: s > 0,
