@@ -188,16 +188,22 @@ def grouped_query_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SC
     return per_head_attention(q, k, v, mask, scores)
 
 
-def per_head_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
-    """grouped_query_attention as one einsum per KV head group (its default form); same shapes."""
+def _per_head_logits(q, k, scores: AttentionScores):
+    """Unmasked attention logits, one einsum per KV head group: q [B, T, H, D], k [B, S, K, D] ->
+    [B, K, G, T, S] float32 (G = H / K query heads per KV head)."""
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
     products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask[:, None, None, :, :], scores.logits(products, head_dim), MASK_VALUE)
+    return scores.logits(products, head_dim)
+
+
+def per_head_attention(q, k, v, mask, scores: AttentionScores = STANDARD_SCORES):
+    """grouped_query_attention as one einsum per KV head group (its default form); same shapes."""
+    logits = jnp.where(mask[:, None, None, :, :], _per_head_logits(q, k, scores), MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, num_new, num_heads, head_dim)
+    return out.reshape(q.shape)
 
 
 def packed_attention(q, k, v, packed: PackedSlots, scores: AttentionScores = STANDARD_SCORES):
@@ -205,16 +211,12 @@ def packed_attention(q, k, v, packed: PackedSlots, scores: AttentionScores = STA
     [B, S, K, D] -> [B, T, H, D]. Scores are computed against the cache as it is and then moved; values
     are gathered per query ([B, T, S, K, D], T copies of the read slots), so the value dot reduces
     over the same positions as AR's. That copy is the price of exact trees."""
-    batch, num_new, num_heads, head_dim = q.shape
-    num_kv = k.shape[2]
-    q = q.reshape(batch, num_new, num_kv, num_heads // num_kv, head_dim)  # [B, T, K, G, D]
-    products = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32)
-    products = jnp.take_along_axis(products, packed.source[:, None, None], axis=-1)  # [B, K, G, T, S]
-    logits = jnp.where(packed.visible[:, None, None], scores.logits(products, head_dim), MASK_VALUE)
+    logits = jnp.take_along_axis(_per_head_logits(q, k, scores), packed.source[:, None, None], axis=-1)
+    logits = jnp.where(packed.visible[:, None, None], logits, MASK_VALUE)  # [B, K, G, T, S]
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     per_query = jnp.take_along_axis(v[:, None], packed.source[:, :, :, None, None], axis=2)  # [B, T, S, K, D]
     out = jnp.einsum("BKGTS,BTSKD->BTKGD", probs, per_query, preferred_element_type=jnp.float32)
-    return out.reshape(batch, num_new, num_heads, head_dim)
+    return out.reshape(q.shape)
 
 
 STACKED_HEADS_MIN_BATCH = 16
