@@ -130,13 +130,15 @@ def test_training_numbers_are_checked_before_any_data_is_built(tmp_path, capsys,
     assert not out.exists(), "a refused run must leave no folder behind"
 
 
-def test_more_self_instruct_prompts_than_instructions_exist(tmp_path, capsys, no_heavy_work):
-    from specjax.data.prompts import self_instruct_capacity
+@pytest.mark.parametrize("kind", ["self_instruct", "everyday"])
+def test_more_templated_prompts_than_distinct_ones_exist(tmp_path, capsys, no_heavy_work, kind):
+    from specjax.data import prompts
 
+    capacity = getattr(prompts, f"{kind}_capacity")()
     out = tmp_path / "run"
-    too_many = str(self_instruct_capacity() + 1)
-    refused(["train-drafter", "--out", str(out), "--self-instruct-prompts", too_many], capsys, "self_instruct_prompts",
-            too_many, str(self_instruct_capacity()))
+    too_many = str(capacity + 1)
+    refused(["train-drafter", "--out", str(out), f"--{kind.replace('_', '-')}-prompts", too_many], capsys,
+            f"{kind}_prompts", too_many, str(capacity))
     assert not out.exists()
 
 

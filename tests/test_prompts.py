@@ -2,15 +2,21 @@
 
 import re
 
+import pytest
+
 from specjax.data.corpora import Document
-from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, everyday_chat_prompts, training_chat_prompts
+from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, everyday_capacity, everyday_chat_prompts, training_chat_prompts
 
 
-def test_everyday_prompts_exclude_the_held_out_ones_and_are_reproducible():
-    prompts = everyday_chat_prompts(3000, seed=4)
-    assert len(prompts) == 3000 and not set(prompts) & set(HELDOUT_CHAT_PROMPTS)
-    assert prompts == everyday_chat_prompts(3000, seed=4)
-    assert prompts != everyday_chat_prompts(3000, seed=5)
+def test_everyday_prompts_are_distinct_exclude_the_held_out_ones_and_are_reproducible():
+    every = everyday_capacity()
+    prompts = everyday_chat_prompts(every, seed=4)
+    assert len(set(prompts)) == every > 1000 and not set(prompts) & set(HELDOUT_CHAT_PROMPTS)
+    assert prompts == everyday_chat_prompts(every, seed=4)
+    assert prompts != everyday_chat_prompts(every, seed=5)
+    assert len(set(everyday_chat_prompts(400, seed=1))) == 400
+    with pytest.raises(ValueError, match=f"at most {every} distinct"):
+        everyday_chat_prompts(every + 1)
     # The held-out prompts' topics are absent too, not just their exact wording.
     for topic in ("sea", "cat", "tea", "photosynthesis", "hash table", "France", "vitamin"):
         assert not any(re.search(rf"\b{topic}\b", p) for p in prompts), topic
@@ -44,7 +50,7 @@ def test_the_heldout_set_is_disjoint_from_every_training_prompt_kind():
     heldout = p.heldout_prompts()
     assert len(heldout) >= 100 and len(set(heldout)) == len(heldout)
     assert all(len(p.heldout_prompts(c)) == 30 for c in p.HELDOUT_CATEGORIES)
-    training = p.everyday_chat_prompts(3000, seed=0) + p.math_word_prompts(3000, seed=0) + p.code_task_prompts(1000, 0)
+    training = p.everyday_chat_prompts(p.everyday_capacity(), seed=0) + p.math_word_prompts(3000, seed=0) + p.code_task_prompts(1000, 0)
     seen = set().union(*(_word_runs(t) for t in training))
     openings = [t.split("{")[0].strip() for t in p._TEMPLATES_PROSE + p._TEMPLATES_CODE + p._CODE_TEMPLATES]
     for prompt in heldout:

@@ -117,15 +117,26 @@ _EVERYDAY_TEMPLATES = (
 )
 
 
+def _everyday_space() -> list[str]:
+    """Every distinct everyday request (template x topic), the held-out prompts left out."""
+    held_out = set(HELDOUT_CHAT_PROMPTS)
+    found = dict.fromkeys(t.format(topic=x) for t in _EVERYDAY_TEMPLATES for x in _EVERYDAY_TOPICS)
+    return [p for p in found if p not in held_out]
+
+
+def everyday_capacity() -> int:
+    """How many distinct everyday requests exist."""
+    return len(_everyday_space())
+
+
 def everyday_chat_prompts(count: int, seed: int = 0) -> list[str]:
-    """count everyday assistant requests (template x topic), never one of the held-out prompts."""
-    rng = random.Random(seed)
-    prompts = []
-    while len(prompts) < count:
-        prompt = rng.choice(_EVERYDAY_TEMPLATES).format(topic=rng.choice(_EVERYDAY_TOPICS))
-        if prompt not in HELDOUT_CHAT_PROMPTS:
-            prompts.append(prompt)
-    return prompts
+    """count distinct everyday assistant requests (template x topic, drawn without repetition), never
+    one of the held-out prompts. Greedy decoding answers a repeated request alike, so a repeat would
+    add the same answer twice to a training set."""
+    space = _everyday_space()
+    if count > len(space):
+        raise ValueError(f"at most {len(space)} distinct everyday requests exist; asked for {count}")
+    return random.Random(seed).sample(space, count)
 
 
 # Templated math word problems and code tasks for training. The held-out set

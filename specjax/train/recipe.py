@@ -84,11 +84,14 @@ class DistillRecipe:
                        anchors_per_sequence=self.anchors_per_sequence)
         check_at_least(2, block_size=self.block_size)
         check_positive_finite(learning_rate=self.learning_rate)
-        from specjax.data.prompts import self_instruct_capacity
+        from specjax.data.prompts import everyday_capacity, self_instruct_capacity
 
         if self.self_instruct_prompts > self_instruct_capacity():
             raise SpecjaxError(f"self_instruct_prompts is {self.self_instruct_prompts}, but only "
                                f"{self_instruct_capacity()} distinct self-instruct instructions exist")
+        if self.everyday_prompts > everyday_capacity():
+            raise SpecjaxError(f"everyday_prompts is {self.everyday_prompts}, but only {everyday_capacity()} "
+                               "distinct everyday requests exist")
         if (self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts
                 + self.self_instruct_prompts == 0):
             raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, everyday_prompts, "
