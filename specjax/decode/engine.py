@@ -71,7 +71,6 @@ class DecodeRequestShape:
     max_new_tokens: int
     sampling: SamplingConfig
     eos_token_ids: tuple[int, ...]
-    streaming: bool
     denoise_steps: int
     refine: RefineConfig | None
     """Refinement passes for the +refiner methods; None for the other methods."""
@@ -87,9 +86,14 @@ class DecodeRequestShape:
     retrieval_length: int = 0
     """Slots of each row's drafting context (rapid, rapid+block): the longest drafting prompt (first
     or re-retrieved), the new tokens and one step's writes."""
-    sync_every: int = 0
-    """Tokens per device call of a loop that syncs with the host (streaming, re-retrieval); 0 when
-    one call runs to the end."""
+    steps_per_sync: int = 0
+    """Steps per device call of a loop that syncs with the host (streaming, re-retrieval); 0 when
+    one call runs to the end (`Engine._steps_per_sync`)."""
+
+    @property
+    def streaming(self) -> bool:
+        """The loop syncs with the host between calls (streaming or re-retrieval)."""
+        return self.steps_per_sync > 0
 
 
 class Engine:
@@ -240,8 +244,7 @@ class Engine:
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
-            streaming=on_tokens is not None or redraft is not None,
-            sync_every=stream_every if on_tokens is not None else redraft.every if redraft is not None else 0,
+            steps_per_sync=self._steps_per_sync(spec, rapid, on_tokens is not None, stream_every, redraft),
             denoise_steps=denoise_steps if spec.needs_drafter else 1,
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
@@ -261,9 +264,20 @@ class Engine:
         if spec.needs_retrieval:
             padded = slot_api.token_rows(retrieval_prompts, retrieval_bucket)
             retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in retrieval_prompts], np.int32)))
-        if shape.sync_every:
-            stream_every = shape.sync_every
-        return self._with_precision(self._generate_slots(shape, args, on_tokens, stream_every, retrieval, redraft))
+        return self._with_precision(self._generate_slots(shape, args, on_tokens, retrieval, redraft))
+
+    def _steps_per_sync(self, spec, rapid: RapidConfig, streamed: bool, stream_every: int,
+                        redraft: Redraft | None) -> int:
+        """Steps per device call of a host-synced loop: about `stream_every` tokens when streaming (a
+        speculative step is counted as two tokens), or, for re-retrieval alone, at most
+        `redraft.every` tokens (one block per step). 0 when nothing syncs: one call runs to the end."""
+        speculative = spec.needs_drafter or spec.needs_retrieval
+        if streamed:
+            return max(1, stream_every // 2) if speculative else stream_every
+        if redraft is not None:
+            block = self.drafter.config.block_size if spec.needs_drafter else rapid.drafts + 1
+            return max(1, redraft.every // block)
+        return 0
 
     def _placed(self, batch_major: np.ndarray) -> jax.Array:
         """A batch-major input on the device, split over the mesh's data axes when there is one."""
@@ -323,27 +337,22 @@ class Engine:
                                         self._compiled[shape])
         return GenerationResult(rows, stats)
 
-    def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, stream_every: int,
-                        retrieval=None, redraft: Redraft | None = None) -> GenerationResult:
+    def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, retrieval=None,
+                        redraft: Redraft | None = None) -> GenerationResult:
         """Decoding on the serving step (decode/slots.py), every method: the prompts fill a slot
-        batch of their own. Without on_tokens one device call runs every step (`run_to_end`);
-        with it, each call runs about `stream_every` tokens' worth (`stream_every // 2` verify steps
-        for speculative methods) and its tokens go to on_tokens."""
+        batch of their own. A shape that streams or re-retrieves runs `shape.steps_per_sync` steps
+        per device call and syncs with the host between calls (its tokens go to on_tokens); any
+        other runs every step in one call (`run_to_end`)."""
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
         uses_drafter = SLOT_METHODS[shape.method].needs_drafter
         speculative = uses_drafter or shape.rapid is not None
         on_retrieval = uses_drafter and shape.retrieval_length > 0  # rapid+block
-        steps_per_sync = max(1, stream_every // 2) if speculative else stream_every
-        if redraft is not None and on_tokens is None:
-            # Re-retrieval is due every `redraft.every` tokens: sync after at most that many.
-            block = self.drafter.config.block_size if uses_drafter else shape.rapid.drafts + 1
-            steps_per_sync = max(1, redraft.every // block)
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
                                      max_new_tokens=shape.max_new_tokens,
-                                     steps_per_sync=steps_per_sync,
+                                     steps_per_sync=max(shape.steps_per_sync, 1),
                                      insert_rows=batch),
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
