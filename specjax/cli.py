@@ -661,7 +661,7 @@ def cmd_train_drafter(args) -> int:
                            everyday_prompts=args.everyday_prompts, math_prompts=args.math_prompts,
                            code_prompts=args.code_prompts, self_instruct_prompts=args.self_instruct_prompts,
                            generate_batch=args.generate_batch, seq_len=args.seq_len, num_layers=args.layers,
-                           block_size=args.block_size,
+                           block_size=args.block_size, target_topk=args.target_topk, topk_weight=args.topk_weight,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
                            init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
@@ -1056,6 +1056,10 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--taps", type=int, default=4, help="target layers tapped, spread from layer 1 to n-3")
     td.add_argument("--steps", type=int, default=3000)
     td.add_argument("--learning-rate", type=float, default=1e-3)
+    td.add_argument("--target-topk", type=int, default=8,
+                    help="the target's top-k tokens and log-probabilities stored per position (0: none)")
+    td.add_argument("--topk-weight", type=float, default=0.0,
+                    help="share of the loss against the target's top-k distribution instead of its argmax token")
     td.add_argument("--random-init", action="store_true", help="do not start from the target's top layers")
     td.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="compute precision of the target and the drafter in training (bf16 inputs to every dot, "

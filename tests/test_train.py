@@ -149,3 +149,90 @@ def test_chain_walk_on_greedy_answers_is_what_chain_decoding_measures(target, dr
     expected = np.bincount([n for walk in walks for n in walk], minlength=drafter.config.block_size)
     assert stats["accepted_length_histogram"] == expected.tolist()
     assert sum(len(w) for w in walks) > len(prompts)  # the drafter accepts something, so walks are not trivial
+
+
+def test_distillation_sets_store_the_targets_top_k_next_token_distribution(target, tmp_path):
+    """The stored top-k at position t is the target's distribution of token t (from the logits at t - 1,
+    as the teacher labels are): its first entry is the label, log-probabilities fall and sum below 0."""
+    from conftest import tiny_distillation_set
+    from specjax.train.drafter import DistillationSet, build_distillation_set
+
+    plain = tiny_distillation_set(target, tmp_path / "plain", 0, n=4)
+    assert plain.topk_ids is None and plain.topk_logprobs is None
+    data = build_distillation_set(target.params, target.config, [(np.asarray(plain.tokens[r]).tolist(), 1)
+                                                                  for r in range(4)],
+                                  tmp_path / "topk", plain.target_layer_ids, seq_len=48, teacher_labels=True,
+                                  progress=False, topk=5)
+    data = DistillationSet.open(tmp_path / "topk")  # reopened from disk
+    valid = np.asarray(data.valid)
+    ids, logprobs = np.asarray(data.topk_ids)[valid], np.asarray(data.topk_logprobs, np.float32)[valid]
+    assert ids.shape[1] == 5 and (ids[:, 0] == np.asarray(data.labels)[valid]).all()
+    assert (np.diff(logprobs, axis=1) <= 0).all() and (logprobs <= 0).all()
+    assert (np.exp(logprobs).sum(axis=1) <= 1.001).all()
+    assert all(len(set(row)) == 5 for row in ids.tolist())
+
+
+def test_the_top_k_loss_is_cross_entropy_against_the_targets_distribution(target, drafter, tmp_path):
+    """With all of the target's mass on its argmax the top-k loss is the argmax loss; mass moved to
+    its second choice changes the loss, and sets without the top-k are refused by name."""
+    from conftest import tiny_distillation_set
+    from specjax.train.drafter import DrafterTrainConfig, drafter_loss, sample_drafter_batch
+
+    data = tiny_distillation_set(target, tmp_path / "d", 3, n=4)
+    cfg = DrafterTrainConfig(sequences_per_batch=2, anchors_per_sequence=8)
+    batch = sample_drafter_batch(data, 0, 0, cfg, drafter.config.block_size)
+    labels = batch["labels"]
+    other = (labels + 1) % target.config.vocab_size
+    one_hot = np.stack([labels, other], axis=-1), np.stack([np.zeros(labels.shape), np.full(labels.shape, -np.inf)],
+                                                              axis=-1).astype(np.float16)
+    split = one_hot[0], np.log(np.stack([np.full(labels.shape, 0.5)] * 2, axis=-1)).astype(np.float16)
+    loss = lambda b, w: float(drafter_loss(drafter.params, b, drafter_config=drafter.config,  # noqa: E731
+                                           target_params=target.params, target_config=target.config, gamma=7.0,
+                                           topk_weight=w)[0])
+    argmax_loss = loss(batch, 0.0)
+    with_one_hot = dict(batch, topk_ids=one_hot[0], topk_logprobs=one_hot[1])
+    assert np.isclose(loss(with_one_hot, 1.0), argmax_loss, rtol=1e-5)
+    assert not np.isclose(loss(dict(batch, topk_ids=split[0], topk_logprobs=split[1]), 1.0), argmax_loss, rtol=1e-3)
+    with pytest.raises(SpecjaxError, match="without the target's top-k"):
+        sample_drafter_batch(data, 0, 0, DrafterTrainConfig(topk_weight=0.5), drafter.config.block_size)
+
+
+def test_a_drafter_grown_by_a_layer_starts_as_the_drafter_it_grew_from(target, drafter):
+    """init_from_drafter into a deeper drafter: the new layer's output projections start at zero, so
+    the grown drafter's logits are the old one's until training moves them."""
+    import dataclasses
+
+    import jax
+
+    from specjax.io.dflash import LoadedDrafter
+    from specjax.models.drafter import init_drafter_params
+    from specjax.train.drafter import init_from_drafter
+
+    deeper = dataclasses.replace(drafter.config, num_layers=drafter.config.num_layers + 1)
+    random = init_drafter_params(deeper, jax.random.key(3))
+    grown = LoadedDrafter("grown", deeper, init_from_drafter(random, deeper, drafter), target.config.num_layers)
+    probe = lambda d: np.asarray(_tiny_probe_logits(target, d))  # noqa: E731
+    np.testing.assert_allclose(probe(grown), probe(drafter), atol=1e-5)
+    assert np.abs(np.asarray(grown.params["layers_1"]["q_proj"]["kernel"])).max() > 0  # the rest is kept
+    with pytest.raises(SpecjaxError, match="can grow, not shrink"):
+        init_from_drafter(init_drafter_params(drafter.config, jax.random.key(0)), drafter.config, grown)
+    ungrown = LoadedDrafter("random", deeper, random, target.config.num_layers)
+    assert np.abs(probe(ungrown) - probe(drafter)).max() > 1e-3  # without zeroed projections it differs
+
+
+def _tiny_probe_logits(target, drafter):
+    """Slot logits of three blocks with different anchors after one context (anchor_probe_logits's
+    forward, on token ids, since the tiny target has no tokenizer): [3, 1, K, V]."""
+    import jax.numpy as jnp
+
+    from specjax.decode.autoregressive import prefill
+    from specjax.models.transformer import head_matrix
+    from specjax.train.drafter import drafter_block_logits
+
+    ids = [5, 9, 2, 7]
+    rows = jnp.asarray([ids + [a] for a in (1, 3, 11)], jnp.int32)
+    lengths = jnp.full((3,), len(ids) + 1, jnp.int32)
+    _, _, features = prefill(target.params, target.config, rows, lengths, len(ids) + 1,
+                             hidden_layers=drafter.config.target_layer_ids)
+    return drafter_block_logits(drafter.params, drafter.config, target.params, target.config, rows, features,
+                                jnp.full((3, 1), len(ids), jnp.int32), head_matrix(target.params, target.config))

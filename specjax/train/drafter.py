@@ -43,6 +43,10 @@ class DrafterTrainConfig:
     gamma: float = 7.0
     """Slot k's loss weight is exp(-(k-1)/gamma): early slots matter most, since a chain stops at its
     first rejection."""
+    topk_weight: float = 0.0
+    """Share of each slot's loss that is cross-entropy against the target's top-k distribution there
+    (renormalised over the k tokens, those outside the draft vocabulary dropped) rather than against
+    its argmax token: the target's near-misses as soft targets. Needs sets built with topk > 0."""
 
 
 # ---- distillation data on disk -----------------------------------------------------------------
@@ -60,6 +64,11 @@ class DistillationSet:
     features: np.ndarray
     """[N, T, taps, d] float16 target hidden states at the tap layers."""
     target_layer_ids: tuple[int, ...]
+    topk_ids: np.ndarray | None = None
+    """[N, T, k] int32: the target's k most likely tokens at each position (from its logits one
+    position earlier, as the labels are), or None for a set built without them."""
+    topk_logprobs: np.ndarray | None = None
+    """[N, T, k] float16: their log-probabilities under the target's full softmax."""
 
     @classmethod
     def open(cls, folder: str | Path) -> "DistillationSet":
@@ -69,6 +78,7 @@ class DistillationSet:
             raise SpecjaxError(f"{folder}: not a distillation set (no meta.json)")
         meta = json.loads(meta_path.read_text())
         n, t, taps, d = meta["shape"]
+        k = meta.get("topk", 0)
         open_ = lambda name, dtype, shape: np.memmap(folder / name, dtype=dtype, mode="r", shape=tuple(shape))
         return cls(
             tokens=open_("tokens.i32", np.int32, (n, t)),
@@ -76,6 +86,8 @@ class DistillationSet:
             valid=open_("valid.u8", np.uint8, (n, t)).view(bool),
             features=open_("features.f16", np.float16, (n, t, taps, d)),
             target_layer_ids=tuple(meta["target_layer_ids"]),
+            topk_ids=open_("topk_ids.i32", np.int32, (n, t, k)) if k else None,
+            topk_logprobs=open_("topk_logprobs.f16", np.float16, (n, t, k)) if k else None,
         )
 
     @property
@@ -89,12 +101,15 @@ class DistillationSet:
 
 def build_distillation_set(target_params, target_config: TransformerConfig, sequences: Iterable[tuple[Sequence[int], int]],
                            out_dir: str | Path, target_layer_ids: tuple[int, ...], seq_len: int,
-                           teacher_labels: bool, batch_size: int = 8, progress: bool = True) -> DistillationSet:
+                           teacher_labels: bool, batch_size: int = 8, progress: bool = True,
+                           topk: int = 0) -> DistillationSet:
     """Run the target over sequences and store features and labels.
 
     sequences: (token ids, first trainable position) pairs; ids are cut or padded to seq_len.
     teacher_labels: True for corpus text (labels = target argmax of the previous position);
     False for the target's own continuations (labels = the tokens themselves).
+    topk: also store the target's top-k tokens and log-probabilities at each position (the soft
+    targets of `DrafterTrainConfig.topk_weight`); 0 stores none.
     """
     from tqdm.auto import tqdm
 
@@ -113,6 +128,9 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     labels = create("labels.i32", np.int32, (n, seq_len))
     valid = create("valid.u8", np.uint8, (n, seq_len))
     features = create("features.f16", np.float16, (n, seq_len, taps, d))
+    if topk:
+        topk_ids = create("topk_ids.i32", np.int32, (n, seq_len, topk))
+        topk_logprobs = create("topk_logprobs.f16", np.float16, (n, seq_len, topk))
 
     @jax.jit
     def run(batch):
@@ -121,18 +139,23 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), batch.shape)
         out = forward(target_params, target_config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
                       hidden_layers=target_layer_ids, empty_cache=True)
-        return out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        best = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), max(topk, 1))  # [b, T, k] each
+        return (out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32),
+                best[1].astype(jnp.int32), best[0].astype(jnp.float16))
 
     for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):
         chunk = rows[begin : begin + batch_size]
         batch = np.zeros((batch_size, seq_len), np.int32)  # fixed batch shape: one compilation
         for i, (ids, _) in enumerate(chunk):
             batch[i, : len(ids)] = ids
-        hidden, argmax = (np.asarray(a) for a in run(jnp.asarray(batch)))
+        hidden, argmax, best_ids, best_logprobs = (np.asarray(a) for a in run(jnp.asarray(batch)))
         for i, (ids, start) in enumerate(chunk):
             row = begin + i
             tokens[row] = batch[i]
             features[row] = hidden[i]
+            if topk:  # the distribution of the token at t comes from the logits at t - 1, as labels do
+                topk_ids[row, 1:] = best_ids[i, :-1]
+                topk_logprobs[row, 1:] = best_logprobs[i, :-1]
             if teacher_labels:
                 labels[row, 1:] = argmax[i, :-1]
             else:
@@ -140,11 +163,11 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
             mask = np.zeros(seq_len, np.uint8)
             mask[max(start, 1) : len(ids)] = 1
             valid[row] = mask
-    for array in (tokens, labels, valid, features):
+    for array in (tokens, labels, valid, features) + ((topk_ids, topk_logprobs) if topk else ()):
         array.flush()
     (out_dir / "meta.json").write_text(json.dumps({
         "shape": [n, seq_len, taps, d], "target_layer_ids": list(target_layer_ids),
-        "teacher_labels": teacher_labels,
+        "teacher_labels": teacher_labels, "topk": topk,
     }))
     return DistillationSet.open(out_dir)
 
@@ -161,9 +184,10 @@ def without_looping(data: DistillationSet) -> tuple[DistillationSet, int]:
             if not is_looping(np.asarray(data.tokens[r])[np.asarray(data.valid[r])].tolist())]
     if not keep or len(keep) == data.num_sequences:
         return data, 0
-    take = lambda a: np.asarray(a[keep])  # noqa: E731
+    take = lambda a: None if a is None else np.asarray(a[keep])  # noqa: E731
     return DistillationSet(tokens=take(data.tokens), labels=take(data.labels), valid=take(data.valid),
-                           features=take(data.features), target_layer_ids=data.target_layer_ids), \
+                           features=take(data.features), target_layer_ids=data.target_layer_ids,
+                           topk_ids=take(data.topk_ids), topk_logprobs=take(data.topk_logprobs)), \
         data.num_sequences - len(keep)
 
 
@@ -188,13 +212,20 @@ def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step
             allowed = np.array([0])
         anchors[i] = rng.choice(allowed, size=cfg.anchors_per_sequence, replace=len(allowed) < cfg.anchors_per_sequence)
     stack = lambda field: np.stack([np.asarray(getattr(d, field)[r]) for d, r in rows])
-    return {
+    batch = {
         "tokens": stack("tokens"),
         "labels": stack("labels"),
         "valid": stack("valid"),
         "features": stack("features"),
         "anchors": np.sort(anchors, axis=1),
     }
+    if cfg.topk_weight:
+        missing = [d for d in sets if d.topk_ids is None]
+        if missing:
+            raise SpecjaxError(f"topk_weight is {cfg.topk_weight}, but {len(missing)} of the distillation sets were "
+                               "built without the target's top-k (build them with topk > 0, `--target-topk`)")
+        batch["topk_ids"], batch["topk_logprobs"] = stack("topk_ids"), stack("topk_logprobs")
+    return batch
 
 
 def drafter_block_logits(drafter_params, drafter_config: DrafterConfig, target_params, target_config: TransformerConfig,
@@ -283,6 +314,24 @@ def _draft_labels(batch: dict, block: int, label_index):
     return labels, valid
 
 
+def _draft_topk(batch: dict, block: int, label_index):
+    """The target's top-k distribution at every anchor's slots 1..B-1, over the draft vocabulary:
+    (draft indices [b, A, K, k], probabilities [b, A, K, k] renormalised over the kept tokens, zero
+    for tokens outside the draft vocabulary)."""
+    seq_len = batch["tokens"].shape[1]
+    label_pos = jnp.minimum(batch["anchors"][:, :, None] + jnp.arange(1, block), seq_len - 1)  # [b, A, K]
+    flat = label_pos.reshape(label_pos.shape[0], -1, 1)  # [b, A*K, 1]
+    gather = lambda a: jnp.take_along_axis(a, flat, axis=1).reshape(label_pos.shape + a.shape[-1:])  # noqa: E731
+    ids, logprobs = gather(batch["topk_ids"]), gather(batch["topk_logprobs"]).astype(jnp.float32)
+    kept = jnp.ones(ids.shape, bool)
+    if label_index is not None:
+        ids = jnp.take(label_index, ids)
+        kept = ids >= 0
+        ids = jnp.maximum(ids, 0)
+    weights = jnp.where(kept, jnp.exp(logprobs), 0.0)  # [b, A, K, k]
+    return ids, weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-9)
+
+
 def choose_draft_vocab(sets: Sequence[DistillationSet], size: int, always: Sequence[int] = ()) -> np.ndarray:
     """The `size` most frequent label tokens over the sets' trainable positions (plus `always`),
     sorted by id. On held-out SmolLM2 text the 16k most frequent tokens cover about 96%."""
@@ -310,8 +359,10 @@ def label_index_for(draft_vocab, vocab_size: int):
 
 def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, target_params,
                  target_config: TransformerConfig, gamma: float, draft_vocab=None, label_index=None,
-                 attention: str = "xla"):
-    """Decay-weighted cross-entropy over block slots. Returns (loss, {"slot1_accuracy": ...})."""
+                 attention: str = "xla", topk_weight: float = 0.0):
+    """Decay-weighted cross-entropy over block slots, against the target's argmax token, mixed with
+    cross-entropy against its top-k distribution at topk_weight (DrafterTrainConfig). Returns (loss,
+    {"slot1_accuracy": ...})."""
     block = drafter_config.block_size
     head = head_matrix(target_params, target_config, draft_vocab)
     logits = drafter_block_logits(drafter_params, drafter_config, target_params, target_config, batch["tokens"],
@@ -319,6 +370,10 @@ def drafter_loss(drafter_params, batch: dict, *, drafter_config: DrafterConfig, 
     labels, valid = _draft_labels(batch, block, label_index)
     weight = valid * jnp.exp(-(jnp.arange(1, block) - 1) / gamma)  # [b, A, K]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    if topk_weight:
+        ids, probs = _draft_topk(batch, block, label_index)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids, axis=-1)  # [b, A, K, k]
+        ce = (1.0 - topk_weight) * ce - topk_weight * jnp.sum(probs * logp, axis=-1)
     loss = jnp.sum(ce * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
     hit = (jnp.argmax(logits, -1) == labels) & valid
     slot1 = jnp.sum(hit[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1)
@@ -475,7 +530,7 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     def loss_fn(p, batch, rng):
         return drafter_loss(p, batch, drafter_config=drafter_config, target_params=target_params,
                             target_config=target_config, gamma=train_config.gamma, draft_vocab=draft_vocab,
-                            label_index=label_index)
+                            label_index=label_index, topk_weight=train_config.topk_weight)
 
     block = drafter_config.block_size
     batch_fn = lambda step: jax.tree.map(jnp.asarray, sample_drafter_batch(data, step, loop.seed, train_config, block))
@@ -515,18 +570,29 @@ def init_from_drafter(drafter_params, drafter_config, start) -> dict:
     That is how a DFlash-layout drafter gains the anchor path and keeps training: the anchor
     projection and slot vectors it lacks start at zero, so the warm-started drafter first computes
     exactly what `start` did (no jump in its loss), and the gradient, which reaches the projection
-    through no softmax, opens the path from there."""
+    through no softmax, opens the path from there.
+
+    A deeper drafter grows the same way: layers past start's keep their values in drafter_params
+    (the target's top layers, say) except their output projections (attention o_proj and the MLP's
+    down_proj), which start at zero, so each new layer first adds nothing to the residual stream."""
     from flax import traverse_util
 
     theirs = start.config
-    for field in ("hidden_size", "num_layers", "block_size", "target_layer_ids", "mask_token_id"):
+    for field in ("hidden_size", "block_size", "target_layer_ids", "mask_token_id"):
         if getattr(theirs, field) != getattr(drafter_config, field):
             raise SpecjaxError(f"{start.source}: cannot start from this drafter, its {field} is "
                                f"{getattr(theirs, field)} where this run's is {getattr(drafter_config, field)}")
+    if theirs.num_layers > drafter_config.num_layers:
+        raise SpecjaxError(f"{start.source}: cannot start from this drafter, it has {theirs.num_layers} layers and "
+                           f"this run's has {drafter_config.num_layers} (a drafter can grow, not shrink)")
+    grown = {f"layers_{i}" for i in range(theirs.num_layers, drafter_config.num_layers)}
     ours = traverse_util.flatten_dict(drafter_params)
     theirs_flat = traverse_util.flatten_dict(start.params)
     for path in ours:
-        if path not in theirs_flat:
+        if path[0] in grown:
+            if "o_proj" in path or "down_proj" in path:
+                ours[path] = jnp.zeros_like(ours[path])
+        elif path not in theirs_flat:
             ours[path] = jnp.zeros_like(ours[path])
     for path, value in theirs_flat.items():
         if path not in ours:

@@ -44,6 +44,12 @@ class DistillRecipe:
     """Drafter block size."""
     num_taps: int = 4
     """Target layers tapped."""
+    target_topk: int = 8
+    """The target's k most likely tokens stored with their log-probabilities at every position, the
+    soft targets of topk_weight; 0 stores none."""
+    topk_weight: float = 0.0
+    """Share of the loss that is cross-entropy against the target's renormalised top-k distribution
+    (DrafterTrainConfig.topk_weight); the rest is cross-entropy against its argmax token."""
     draft_vocab_size: int = 16384
     """Tokens the drafter's head covers (the most frequent labels); 0 for the whole vocabulary. The
     LM head dominates a small drafter's cost, so this cuts training and drafting time about 3x."""
@@ -84,6 +90,11 @@ class DistillRecipe:
                        anchors_per_sequence=self.anchors_per_sequence)
         check_at_least(2, block_size=self.block_size)
         check_positive_finite(learning_rate=self.learning_rate)
+        check_at_least(0, target_topk=self.target_topk)
+        if not 0.0 <= self.topk_weight <= 1.0:
+            raise SpecjaxError(f"topk_weight must be in [0, 1], got {self.topk_weight}")
+        if self.topk_weight and not self.target_topk:
+            raise SpecjaxError("topk_weight needs the target's top-k stored: target_topk is 0")
         from specjax.data.prompts import everyday_capacity, self_instruct_capacity
 
         if self.self_instruct_prompts > self_instruct_capacity():
@@ -153,7 +164,7 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                                f"(half of the sequence length {recipe.seq_len}); raise --seq-len")
         sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
         build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
-                               teacher_labels=False)
+                               teacher_labels=False, topk=recipe.target_topk)
 
     train_docs, _ = load_split(recipe.corpora)
     sets = []
@@ -201,7 +212,7 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
             windows.append((ids[: recipe.seq_len], 1))
         build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
-                               teacher_labels=True)
+                               teacher_labels=True, topk=recipe.target_topk)
 
     if recipe.corpus_sequences:
         built_once(lambda: done(corpus_dir), build_corpus, f"corpus data in {corpus_dir}")
@@ -236,13 +247,15 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
         coverage = _coverage(heldout, draft_vocab)
         _log(f"draft vocabulary: {len(draft_vocab)} tokens, covering {coverage:.1%} of held-out labels")
     params = init_drafter_params(config, jax.random.key(recipe.seed))
-    if recipe.init_drafter:
-        start = resolve_drafter(recipe.init_drafter, model_name)
-        params = init_from_drafter(params, config, start)
-        _log(f"starting from the drafter in {start.source}")
-    elif recipe.init_from_target:
+    if recipe.init_from_target:
         top = list(range(model.config.num_layers - recipe.num_layers, model.config.num_layers))
         params = init_from_target_layers(params, model.params, top)
+    if recipe.init_drafter:  # its layers replace the first ones; any further layers grow from the above
+        start = resolve_drafter(recipe.init_drafter, model_name)
+        params = init_from_drafter(params, config, start)
+        _log(f"starting from the drafter in {start.source}"
+             + (f", grown from {start.config.num_layers} to {config.num_layers} layers"
+                if start.config.num_layers < config.num_layers else ""))
     params = train_drafter(
         model.params, model.config, config, sets, out_dir / "run",
         OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(200, recipe.steps // 10),
@@ -250,7 +263,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
         LoopConfig(steps=recipe.steps, seed=recipe.seed, mesh=recipe.mesh, eval_every=max(recipe.steps // 10, 1),
                    checkpoint_every=max(recipe.steps // 10, 1)),
         DrafterTrainConfig(sequences_per_batch=recipe.sequences_per_batch,
-                           anchors_per_sequence=recipe.anchors_per_sequence),
+                           anchors_per_sequence=recipe.anchors_per_sequence, topk_weight=recipe.topk_weight),
         heldout=heldout,
         init_params=params,
         draft_vocab=draft_vocab,

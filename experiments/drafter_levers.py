@@ -1,0 +1,127 @@
+"""Drafter levers side by side (issue 14, item 6): the committed drafter trained on in several
+variants, on the same data, for the same steps, each scored the same way.
+
+    python experiments/drafter_levers.py --data runs/drafter-v3/data --steps 1000 \
+        [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4]
+
+A variant is a dash-joined list of settings:
+  b<N>      block size N (the committed drafter's slot embeddings are cut or kept; default 16);
+  l<N>      N layers: the committed drafter grown by zero-output layers copied from the target's top
+            layers (`train/drafter.py:init_from_drafter`; default: the committed depth);
+  topk<W>   a share W of the loss against the target's stored top-k distribution instead of its
+            argmax token (`DrafterTrainConfig.topk_weight`; the sets must be built with top-k).
+For example `--variants b8,b8-topk1,b8-l2` compares argmax cross-entropy, top-k cross-entropy and a
+second layer at block 8.
+
+Each run starts from the committed drafter, trains in bf16 with float32 master weights on the
+distillation sets in `--data` (those `specjax train-drafter` wrote: chat, everyday, math, code,
+self_instruct and corpus, whichever exist), and is scored by greedy chain decoding replayed over the
+held-out chat answers in `--data/heldout_chat`, looping ones left out (`chain_walk_tau`). Every run
+sees the same batches of sequences and anchors. Each drafter is written to `--out/<variant>/drafter`,
+for real decoding with experiments/drafter_compare.py. A rerun resumes each run from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+TRAIN_SETS = ("chat", "everyday", "math", "code", "self_instruct", "corpus")
+SETTING = re.compile(r"^(b|l|topk)(\d+(?:\.\d+)?)$")
+
+
+def parse_variant(text: str, committed_layers: int) -> dict:
+    """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0}."""
+    variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0}
+    for part in text.split("-"):
+        match = SETTING.match(part)
+        if match is None:
+            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, topk<W>")
+        key, value = match.groups()
+        if key == "topk":
+            variant["topk_weight"] = float(value)
+        else:
+            variant["block" if key == "b" else "layers"] = int(value)
+    return variant
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a train-drafter run's data folder")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--variants", default="b8,b16")
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--out", default="runs/levers")
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+
+    from specjax.io.dflash import save_drafter
+    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.models.drafter import DrafterConfig, init_drafter_params
+    from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, heldout_chain_tau, init_from_drafter,
+                                       init_from_target_layers, train_drafter, without_looping)
+    from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
+
+    data = Path(args.data)
+    sets = [DistillationSet.open(data / name) for name in TRAIN_SETS if (data / name / "meta.json").exists()]
+    if not sets:
+        parser.error(f"{data} holds none of the distillation sets {', '.join(TRAIN_SETS)}")
+    heldout, looping = without_looping(DistillationSet.open(data / "heldout_chat"))
+    print(f"training sets: {sum(s.num_tokens for s in sets):,} labels; held-out chat: {heldout.num_sequences} "
+          f"answers ({looping} looping left out)", flush=True)
+    model = load_model("smollm2", "bfloat16")
+    committed = resolve_drafter("default", "smollm2")
+    variants = {name: parse_variant(name, committed.config.num_layers) for name in args.variants.split(",")}
+    results = {}
+    for name, variant in variants.items():
+        block, layers = variant["block"], variant["layers"]
+        config = DrafterConfig.for_target(model.config, num_layers=layers, block_size=block,
+                                          num_taps=len(committed.config.target_layer_ids),
+                                          anchor_path=committed.config.anchor_path)
+        # The committed drafter's slots 0..block-1 carry over; every other parameter is block-free.
+        cut = jax.tree_util.tree_map_with_path(
+            lambda path, a: a[:block] if "slot_embedding" in jax.tree_util.keystr(path) else a, committed.params)
+        start = dataclasses.replace(committed, config=dataclasses.replace(committed.config, block_size=block),
+                                    params=cut)
+        fresh = init_from_target_layers(init_drafter_params(config, jax.random.key(0)), model.params,
+                                        range(model.config.num_layers - layers, model.config.num_layers))
+        params = init_from_drafter(fresh, config, start)
+        run = Path(args.out) / name
+        before = heldout_chain_tau(heldout, config, model.params, model.config, committed.draft_vocab)(params)
+        params = train_drafter(
+            model.params, model.config, config, sets, run / "run",
+            OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(200, args.steps // 10),
+                            total_steps=args.steps),
+            LoopConfig(steps=args.steps, seed=0, eval_every=max(args.steps // 5, 1),
+                       checkpoint_every=max(args.steps // 5, 1)),
+            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=32, topk_weight=variant["topk_weight"]),
+            heldout=heldout, init_params=params, draft_vocab=committed.draft_vocab)
+        save_drafter(run / "drafter", config, params, model.config, dtype="bfloat16",
+                     draft_vocab=None if committed.draft_vocab is None else np.asarray(committed.draft_vocab))
+        metrics = read_metrics(run / "run")
+        evals = [m for m in metrics if "eval/tau_estimate" in m]
+        elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]  # since this process's start
+        results[name] = {"variant": variant, "wall_s": elapsed[-1] if elapsed else None,
+                         "curve": [{"step": 0, "chain_walk_tau": before}] + [
+                             {"step": m["step"], "chain_walk_tau": m["eval/tau_estimate"]} for m in evals]}
+        print(f"{name}: " + ", ".join(f"step {e['step']} tau {e['chain_walk_tau']:.3f}"
+                                      for e in results[name]["curve"]), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=1))
+    print("\n| step | " + " | ".join(f"{name}: held-out chain tau" for name in results) + " |")
+    print("|---|" + "---|" * len(results))
+    curves = [r["curve"] for r in results.values()]
+    for i, entry in enumerate(curves[0]):
+        print(f"| {entry['step']} | " + " | ".join(f"{c[i]['chain_walk_tau']:.3f}" if i < len(c) else "-"
+                                                  for c in curves) + " |")
+    print("| training wall s (evaluations included; a resumed run counts its last process) | "
+          + " | ".join(f"{r['wall_s']:.0f}" if r["wall_s"] else "-" for r in results.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
