@@ -119,6 +119,15 @@ def test_bad_tree_and_refine_values_before_the_model_loads(capsys, no_heavy_work
             capsys, "keep_confident")
 
 
+@pytest.mark.parametrize("argv,fragments", [(["--topk-weight", "1.5"], ("topk_weight", "1.5")),
+                                             (["--topk-weight", "0.5", "--target-topk", "0"], ("target_topk is 0",)),
+                                             (["--target-topk", "-1"], ("target_topk",))])
+def test_top_k_settings_are_checked_before_any_data_is_built(tmp_path, capsys, no_heavy_work, argv, fragments):
+    out = tmp_path / "run"
+    refused(["train-drafter", "--out", str(out), *argv], capsys, *fragments)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--learning-rate", "nan"), ("--seq-len", "0")])
 @pytest.mark.parametrize("command", ["train-drafter", "train-refiner", "train-compressor", "train-lm"])
 def test_training_numbers_are_checked_before_any_data_is_built(tmp_path, capsys, no_heavy_work, command, flag,
