@@ -84,10 +84,10 @@ def main() -> int:
                 options = {}
                 base, _, eta = method.removesuffix("+redraft").partition("@")
                 if base == "rapid":
-                    options = dict(retrieval_prompts=[prompt.drafting],
+                    options = dict(drafting_prompts=[prompt.drafting],
                                    rapid=RapidConfig(args.rapid_drafts, eta=float(eta or 0)))
                 elif base == "rapid+block":
-                    options = dict(retrieval_prompts=[prompt.drafting])
+                    options = dict(drafting_prompts=[prompt.drafting])
                 if method.endswith("+redraft"):
                     options["redraft"] = redrafting(model.tokenizer, task.context, task.question, config,
                                                     args.redraft_every, cache, encoder)

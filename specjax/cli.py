@@ -209,7 +209,7 @@ def cmd_generate(args) -> int:
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
         refine=_refine_config(args), tree=_tree_config(args),
-        retrieval_prompts=None if long is None or long.drafting is None else [long.drafting],
+        drafting_prompts=None if long is None or long.drafting is None else [long.drafting],
         rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), redraft=redraft)
     if long is not None:
         result.stats["long_context"] = long.summary(retrieval)
@@ -274,8 +274,8 @@ def _memory_line(m: dict) -> str:
     line += ")"
     if "drafter_state_bytes" in m:
         line += f", drafter state {_mib(m['drafter_state_bytes'])} ({m['drafter_attention']})"
-    if "retrieval_kv_bytes" in m:
-        line += f", rapid's retrieval cache {_mib(m['retrieval_kv_bytes'])}"
+    if "drafting_kv_bytes" in m:
+        line += f", rapid's drafting cache {_mib(m['drafting_kv_bytes'])}"
     line += f", peak {_mib(m['peak_bytes'])} ({m['peak_source']})"
     if m.get("device_peak_bytes") is not None:
         line += f", device peak since start {_mib(m['device_peak_bytes'])}"
@@ -416,9 +416,9 @@ def cmd_bench(args) -> int:
         long, retrieval, redraft = _long_context(args, model, methods)
         prompts = [long.full]
         if long.drafting is not None:
-            options["rapid"] = {"retrieval_prompts": [long.drafting],
+            options["rapid"] = {"drafting_prompts": [long.drafting],
                                 "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), "redraft": redraft}
-            options["rapid+block"] = {"retrieval_prompts": [long.drafting], "redraft": redraft}
+            options["rapid+block"] = {"drafting_prompts": [long.drafting], "redraft": redraft}
     else:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)

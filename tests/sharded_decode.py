@@ -55,7 +55,7 @@ def main(job_path: str) -> None:
             redraft = Redraft(every=4, prompt_for=lambda row, generated: prompts[row],
                               max_prompt_tokens=max(map(len, prompts)))
             out = engine.generate(prompts, job["max_new_tokens"], method="rapid", rapid=RapidConfig(drafts=3),
-                                  retrieval_prompts=[[5]] * len(prompts), redraft=redraft)
+                                  drafting_prompts=[[5]] * len(prompts), redraft=redraft)
             results[mesh_text]["rapid+redraft"] = out.tokens
             results[mesh_text]["redrafts"] = out.stats["redrafts"]
         for method in job.get("serve", ()):

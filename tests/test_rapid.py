@@ -31,23 +31,23 @@ def test_greedy_rapid_equals_ar_whatever_the_drafting_context(target):
     for name, contexts in (("whole", prompts), ("piece", [p[-6:] for p in prompts]),
                            ("unrelated", [[9, 9, 9, 0], [0, 1], [5]])):
         for drafts in (1, 3):
-            out = engine.generate(prompts, 20, method="rapid", retrieval_prompts=contexts,
+            out = engine.generate(prompts, 20, method="rapid", drafting_prompts=contexts,
                                   rapid=RapidConfig(drafts=drafts))
             assert out.tokens == expected, (name, drafts)
-            assert out.stats["rapid_drafts"] == drafts and out.stats["memory"]["retrieval_kv_bytes"] > 0
+            assert out.stats["rapid_drafts"] == drafts and out.stats["memory"]["drafting_kv_bytes"] > 0
             taus[name, drafts] = out.stats["tau"]
     assert taus["whole", 3] > 3.5  # the target drafting on its own context is accepted almost always
     assert taus["whole", 3] > taus["unrelated", 3]
-    with pytest.raises(SpecjaxError, match="retrieval_prompts"):
+    with pytest.raises(SpecjaxError, match="drafting_prompts"):
         engine.generate(prompts, 4, method="rapid")
-    with pytest.raises(SpecjaxError, match="retrieval_prompts"):
-        engine.generate(prompts, 4, method="rapid", retrieval_prompts=prompts[:1])
+    with pytest.raises(SpecjaxError, match="drafting_prompts"):
+        engine.generate(prompts, 4, method="rapid", drafting_prompts=prompts[:1])
 
 
 def _rapid_samples(target, sampling, prompt, context, count, depth, seed, drafts=2, eta=0.0):
     statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=count, cache_length=32, max_new_tokens=depth,
                                                        steps_per_sync=1, insert_rows=count), (),
-                                rapid=RapidConfig(drafts=drafts, eta=eta), retrieval_length=32)
+                                rapid=RapidConfig(drafts=drafts, eta=eta), drafting_length=32)
     parts = slots.slot_parts(statics, target.params)
     full = lambda v, dt: jnp.full((count,), v, dt)  # noqa: E731
     request = slots.InsertRequest(
@@ -56,8 +56,8 @@ def _rapid_samples(target, sampling, prompt, context, count, depth, seed, drafts
         seeds=jnp.arange(count, dtype=jnp.uint32) + seed * count,
         sampling=slots.RowSampling(full(sampling.temperature, jnp.float32), full(sampling.top_k, jnp.int32),
                                    full(sampling.top_p, jnp.float32)),
-        retrieval_prompts=jnp.tile(jnp.asarray(context, jnp.int32), (count, 1)),
-        retrieval_prompt_lengths=full(len(context), jnp.int32))
+        drafting_prompts=jnp.tile(jnp.asarray(context, jnp.int32), (count, 1)),
+        drafting_prompt_lengths=full(len(context), jnp.int32))
     state = slots.insert(parts, slots.empty_slots(statics), request, statics=statics)
     state = slots.run_to_end(parts, state, method="rapid", statics=statics)
     return np.asarray(state.tokens[:, :depth]), np.asarray(state.accepted_histogram)
@@ -123,8 +123,8 @@ def test_knowledge_transfer_moves_the_output_toward_the_drafts(target):
     assert tv(marginal[20.0], drafter) < tv(marginal[0.0], drafter) - 0.05, (tv(marginal[20.0], drafter),
                                                                               tv(marginal[0.0], drafter))
     prompts = [DOCUMENT + [1, 5, 2]]
-    lossless = Engine(target).generate(prompts, 12, method="rapid", retrieval_prompts=[[7, 3]])
-    lossy = Engine(target).generate(prompts, 12, method="rapid", retrieval_prompts=[[7, 3]],
+    lossless = Engine(target).generate(prompts, 12, method="rapid", drafting_prompts=[[7, 3]])
+    lossy = Engine(target).generate(prompts, 12, method="rapid", drafting_prompts=[[7, 3]],
                                     rapid=RapidConfig(drafts=3, eta=50.0))
     assert "lossy" not in lossless.stats and "eta=50" in lossy.stats["lossy"]
     with pytest.raises(SpecjaxError, match="eta"):
@@ -140,14 +140,14 @@ def test_rapid_block_drafts_from_the_drafting_prompt_and_stays_exact(target, dra
     engine = Engine(target, drafter)
     expected = engine.generate(prompts, 12).tokens
     chain = engine.generate(prompts, 12, method="chain")
-    whole = engine.generate(prompts, 12, method="rapid+block", retrieval_prompts=prompts)
-    piece = engine.generate(prompts, 12, method="rapid+block", retrieval_prompts=[p[-5:] for p in prompts])
+    whole = engine.generate(prompts, 12, method="rapid+block", drafting_prompts=prompts)
+    piece = engine.generate(prompts, 12, method="rapid+block", drafting_prompts=[p[-5:] for p in prompts])
     assert chain.tokens == whole.tokens == piece.tokens == expected
     assert whole.stats["accepted_length_histogram"] == chain.stats["accepted_length_histogram"]
     assert piece.stats["memory"]["drafter_state_bytes"] < chain.stats["memory"]["drafter_state_bytes"]
-    with pytest.raises(SpecjaxError, match="retrieval_prompts"):
+    with pytest.raises(SpecjaxError, match="drafting_prompts"):
         engine.generate(prompts, 4, method="rapid+block")
-    statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=2), (), drafter.config, retrieval_length=64,
+    statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=2), (), drafter.config, drafting_length=64,
                                 drafter_on_retrieval=True)
     with pytest.raises(SpecjaxError, match="full-prompt positions"):
         slots.check_method("chain", statics)
@@ -285,8 +285,8 @@ def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
 
     redraft = Redraft(every=4, prompt_for=prompt_for, max_prompt_tokens=len(prompts[0]))
     config = RapidConfig(drafts=3)
-    stale = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config)
-    fresh = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config, redraft=redraft)
+    stale = engine.generate(prompts, 20, method="rapid", drafting_prompts=unrelated, rapid=config)
+    fresh = engine.generate(prompts, 20, method="rapid", drafting_prompts=unrelated, rapid=config, redraft=redraft)
     assert stale.tokens == fresh.tokens == expected
     assert fresh.stats["redrafts"] == len(seen) >= 2 and fresh.stats["redraft_s"] > 0
     assert fresh.stats["tau"] > stale.stats["tau"]
@@ -294,7 +294,7 @@ def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
         assert len(generated) >= 4 and expected[row][: len(generated)] == generated
     # A prompt longer than promised would not fit the drafting context: the row keeps its own.
     too_long = Redraft(every=4, prompt_for=lambda row, generated: prompts[0] * 2, max_prompt_tokens=len(prompts[0]))
-    kept = engine.generate(prompts, 20, method="rapid", retrieval_prompts=unrelated, rapid=config, redraft=too_long)
+    kept = engine.generate(prompts, 20, method="rapid", drafting_prompts=unrelated, rapid=config, redraft=too_long)
     assert kept.tokens == expected and kept.stats["redrafts"] == 0
     with pytest.raises(SpecjaxError, match="applies to rapid"):
         engine.generate(prompts, 4, method="ar", redraft=redraft)

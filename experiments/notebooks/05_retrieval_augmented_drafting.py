@@ -137,9 +137,9 @@ plt.show()
 # %%
 def options(method, prompt):
     if method == "rapid":
-        return dict(retrieval_prompts=[prompt.drafting], rapid=RapidConfig(drafts=RAPID_DRAFTS))
+        return dict(drafting_prompts=[prompt.drafting], rapid=RapidConfig(drafts=RAPID_DRAFTS))
     if method == "rapid+block":
-        return dict(retrieval_prompts=[prompt.drafting])
+        return dict(drafting_prompts=[prompt.drafting])
     return {}
 
 

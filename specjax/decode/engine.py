@@ -81,9 +81,9 @@ class DecodeRequestShape:
     layers keep a KV ring of window + step_tokens - 1 slots."""
     rapid: RapidConfig | None = None
     """How rapid drafts; None for the other methods."""
-    retrieval_bucket: int = 0
+    drafting_bucket: int = 0
     """Padded length of the drafting contexts (rapid), 0 for the other methods."""
-    retrieval_length: int = 0
+    drafting_length: int = 0
     """Slots of each row's drafting context (rapid, rapid+block): the longest drafting prompt (first
     or re-retrieved), the new tokens and one step's writes."""
     steps_per_sync: int = 0
@@ -172,7 +172,7 @@ class Engine:
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
                  stream_every: int = 8, denoise_steps: int = 1,
                  refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
-                 retrieval_prompts: Sequence[Sequence[int]] | None = None,
+                 drafting_prompts: Sequence[Sequence[int]] | None = None,
                  rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
@@ -185,7 +185,7 @@ class Engine:
         chains run their own fused loop instead (the serving step drafts in one pass).
         refine: refinement passes per block for the +refiner methods.
         tree: shape and budget of draft trees for the tree methods.
-        retrieval_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
+        drafting_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
         question, `data/retrieval.py`); the target verifies with the prompt itself.
         rapid: how rapid drafts.
         redraft: re-retrieval for rapid and rapid+block: every `redraft.every` generated tokens each
@@ -213,10 +213,10 @@ class Engine:
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
         if spec.needs_retrieval:
-            if retrieval_prompts is None or len(retrieval_prompts) != len(prompts):
+            if drafting_prompts is None or len(drafting_prompts) != len(prompts):
                 raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
-                                   f"per prompt (retrieval_prompts)")
-            self.validate(retrieval_prompts, max_new_tokens)
+                                   f"per prompt (drafting_prompts)")
+            self.validate(drafting_prompts, max_new_tokens)
         if redraft is not None and not spec.needs_retrieval:
             raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
         longest = max(len(p) for p in prompts)
@@ -232,9 +232,9 @@ class Engine:
             slack = rapid.drafts + 1
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
-        retrieval_bucket = 0
+        drafting_bucket = 0
         if spec.needs_retrieval:
-            retrieval_bucket = _round_up(max(len(p) for p in retrieval_prompts), self.prompt_bucket)
+            drafting_bucket = _round_up(max(len(p) for p in drafting_prompts), self.prompt_bucket)
         shape = DecodeRequestShape(
             method=method,
             batch=len(prompts),
@@ -250,10 +250,10 @@ class Engine:
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
             rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
-            retrieval_bucket=retrieval_bucket,
+            drafting_bucket=drafting_bucket,
             # The first draft pass writes from one slot before last_token (decode/rapid.py).
-            retrieval_length=(_round_up(max(retrieval_bucket, redraft.max_prompt_tokens if redraft else 0)
-                                        + max_new_tokens + slack + 1, 64) if retrieval_bucket else 0),
+            drafting_length=(_round_up(max(drafting_bucket, redraft.max_prompt_tokens if redraft else 0)
+                                        + max_new_tokens + slack + 1, 64) if drafting_bucket else 0),
         )
         tokens = slot_api.token_rows(prompts, bucket)
         lengths = np.array([len(p) for p in prompts], np.int32)
@@ -262,8 +262,8 @@ class Engine:
             return self._with_precision(self._generate_chain(shape, args))
         retrieval = None
         if spec.needs_retrieval:
-            padded = slot_api.token_rows(retrieval_prompts, retrieval_bucket)
-            retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in retrieval_prompts], np.int32)))
+            padded = slot_api.token_rows(drafting_prompts, drafting_bucket)
+            retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in drafting_prompts], np.int32)))
         return self._with_precision(self._generate_slots(shape, args, on_tokens, retrieval, redraft))
 
     def _steps_per_sync(self, spec, rapid: RapidConfig, streamed: bool, stream_every: int,
@@ -347,7 +347,7 @@ class Engine:
         batch = shape.batch
         uses_drafter = SLOT_METHODS[shape.method].needs_drafter
         speculative = uses_drafter or shape.rapid is not None
-        on_retrieval = uses_drafter and shape.retrieval_length > 0  # rapid+block
+        on_retrieval = uses_drafter and shape.drafting_length > 0  # rapid+block
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
             slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
@@ -357,7 +357,7 @@ class Engine:
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
-            retrieval_length=shape.retrieval_length, drafter_on_retrieval=on_retrieval)
+            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval)
         latency = None
         if uses_drafter:
             draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
@@ -376,8 +376,8 @@ class Engine:
             max_new_tokens=full(shape.max_new_tokens, jnp.int32), seeds=seeds,
             sampling=slot_api.RowSampling(full(shape.sampling.temperature, jnp.float32),
                                           full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
-            retrieval_prompts=None if retrieval is None else retrieval[0],
-            retrieval_prompt_lengths=None if retrieval is None else retrieval[1])
+            drafting_prompts=None if retrieval is None else retrieval[0],
+            drafting_prompt_lengths=None if retrieval is None else retrieval[1])
         state = build_state(self.mesh, slot_api.empty_slots, statics)
         if self.mesh is not None:
             request = shard_state(request, self.mesh)
@@ -446,11 +446,11 @@ class Engine:
         if redraft is not None:
             stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s)
             if redrafts:  # the drafting contexts were refilled: report them as they ended
-                stats["drafting_context_tokens"] = [int(n) for n in to_host(state.retrieval_lengths)]
+                stats["drafting_context_tokens"] = [int(n) for n in to_host(state.drafting_lengths)]
         if shape.rapid is not None:
             memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
                                    None if shape.streaming else run)
-            memory["retrieval_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.retrieval_length)
+            memory["drafting_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.drafting_length)
             stats.update({"rapid_drafts": shape.rapid.drafts, "rapid_eta": shape.rapid.eta,
                           "drafting_context_tokens": [int(n) for n in np.asarray(retrieval[1])], "memory": memory})
             # The steps are fused; the split is loop_steps x the draft and verify passes timed alone.
@@ -490,7 +490,7 @@ class Engine:
         stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length,
                                         None if shape.streaming else run)
         if on_retrieval:  # rapid+block: the drafter's context is sized by the drafting prompt, not the full one
-            stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.retrieval_length))
+            stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.drafting_length))
         return GenerationResult(rows, stats)
 
     def _redraft(self, shape: DecodeRequestShape, refresh, parts, state, redraft: Redraft, rows: list[int],
@@ -513,7 +513,7 @@ class Engine:
         if not refreshed:
             return state, 0
         # One compiled refresh per width: the rows are padded to the batch (out-of-range rows drop).
-        width = min(_round_up(max(map(len, prompts)), self.prompt_bucket), shape.retrieval_length)
+        width = min(_round_up(max(map(len, prompts)), self.prompt_bucket), shape.drafting_length)
         padded = slot_api.token_rows(prompts, width, shape.batch)
         lengths = np.ones(shape.batch, np.int32)
         lengths[: len(prompts)] = [len(prompt) for prompt in prompts]

@@ -7,7 +7,7 @@ pass over the full cache, and the accepted tokens go into both caches. With the 
 rule the output is the target's own (lossless); the drafts only decide how many tokens a step
 commits.
 
-Slot bookkeeping. `retrieval_lengths` is the retrieval-cache slot of the row's `last_token`, which
+Slot bookkeeping. `drafting_lengths` is the retrieval-cache slot of the row's `last_token`, which
 is in neither cache yet (as `lengths` is for the full cache). A step's first draft pass writes two
 tokens, the one before `last_token` and `last_token` itself: after a step that accepted every draft,
 the last draft's K/V was never written (no pass ran on it), and otherwise the pass rewrites the

@@ -164,14 +164,14 @@ class SlotState:
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
-    retrieval_cache: KVCache | None = None
+    drafting_cache: KVCache | None = None
     """The rapid method's second target cache per row: retrieved chunks + question + generated
     tokens (decode/rapid.py); None when no rapid step will run. Only rapid steps write it, so a
     row that another method advanced must not step with rapid again."""
-    retrieval_lengths: jax.Array | None = None
+    drafting_lengths: jax.Array | None = None
     """[S] int32: the drafting-context slot of last_token (filled slots before it): in rapid's
     retrieval cache, or rapid+block's drafter context."""
-    retrieval_previous: jax.Array | None = None
+    drafting_previous: jax.Array | None = None
     """[S] int32: the token before last_token, which a rapid step rewrites first."""
 
 
@@ -190,7 +190,7 @@ class SlotStatics:
     """Tree shape and sizes for the tree methods; None when no tree method will step."""
     rapid: RapidConfig | None = None
     """How the rapid method drafts; None when no rapid step will run."""
-    retrieval_length: int = 0
+    drafting_length: int = 0
     """Slots of each row's drafting context (rapid, rapid+block): its drafting prompt, its generated
     tokens and one step's writes must fit."""
     drafter_on_retrieval: bool = False
@@ -246,11 +246,11 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None else empty_context_cache(
             statics.drafter_config, s,
-            statics.retrieval_length if statics.drafter_on_retrieval else statics.slot.cache_length)),
-        **({} if not statics.retrieval_length else dict(
-            retrieval_lengths=jnp.zeros((s,), jnp.int32), retrieval_previous=jnp.zeros((s,), jnp.int32))),
-        **({} if not statics.retrieval_length or statics.rapid is None else dict(
-            retrieval_cache=KVCache.zeros(statics.target_config, s, statics.retrieval_length))),
+            statics.drafting_length if statics.drafter_on_retrieval else statics.slot.cache_length)),
+        **({} if not statics.drafting_length else dict(
+            drafting_lengths=jnp.zeros((s,), jnp.int32), drafting_previous=jnp.zeros((s,), jnp.int32))),
+        **({} if not statics.drafting_length or statics.rapid is None else dict(
+            drafting_cache=KVCache.zeros(statics.target_config, s, statics.drafting_length))),
     )
 
 
@@ -305,10 +305,10 @@ class InsertRequest:
     being `prompts`; None: the prompts start here, in fresh rows."""
     draft_limit: jax.Array | None = None
     """[R] int32: each row's SlotState.draft_limit (None: no limit)."""
-    retrieval_prompts: jax.Array | None = None
+    drafting_prompts: jax.Array | None = None
     """[R, Q] int32, right-padded: each row's drafting prompt for rapid and rapid+block (retrieved
-    chunks and the question); needed when the slots have a drafting context (retrieval_length)."""
-    retrieval_prompt_lengths: jax.Array | None = None
+    chunks and the question); needed when the slots have a drafting context (drafting_length)."""
+    drafting_prompt_lengths: jax.Array | None = None
     """[R] int32."""
     final: jax.Array | None = None
     """[R] bool: the call holds each prompt's last tokens (None: every prompt ends here). A row whose
@@ -377,11 +377,11 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
                         if request.draft_limit is None else request.draft_limit),
         target_cache=put(state.target_cache, cache),
     )
-    if statics.retrieval_length:
-        if request.retrieval_prompts is None or request.offsets is not None:
+    if statics.drafting_length:
+        if request.drafting_prompts is None or request.offsets is not None:
             raise SpecjaxError("slots with a drafting context (rapid, rapid+block) insert whole prompts with "
-                               "their drafting prompts (retrieval_prompts)")
-        drafting = _drafting_context(parts, statics, request.retrieval_prompts, request.retrieval_prompt_lengths)
+                               "their drafting prompts (drafting_prompts)")
+        drafting = _drafting_context(parts, statics, request.drafting_prompts, request.drafting_prompt_lengths)
         if on_retrieval:
             context = drafting.pop("context_cache")
         fresh.update({name: put(getattr(state, name), value) for name, value in drafting.items()})
@@ -396,16 +396,16 @@ def _drafting_context(parts: SlotParts, statics: SlotStatics, prompts, lengths) 
     row's last_token, and last_token goes at slot `lengths`."""
     dcfg = statics.drafter_config
     on_retrieval = dcfg is not None and statics.drafter_on_retrieval
-    _, retrieval_cache, features = prefill(parts.target, statics.target_config, prompts, lengths,
-                                           statics.retrieval_length,
+    _, drafting_cache, features = prefill(parts.target, statics.target_config, prompts, lengths,
+                                           statics.drafting_length,
                                            hidden_layers=dcfg.target_layer_ids if on_retrieval else ())
     last = jnp.take_along_axis(prompts, (lengths - 1)[:, None], axis=1)[:, 0]  # [R]
-    out = {"retrieval_lengths": lengths, "retrieval_previous": last}
+    out = {"drafting_lengths": lengths, "drafting_previous": last}
     if on_retrieval:  # the drafter reads the drafting prompt's features, at its positions
-        out["context_cache"] = prefill_context(parts.drafter, dcfg, prompts.shape[0], statics.retrieval_length,
+        out["context_cache"] = prefill_context(parts.drafter, dcfg, prompts.shape[0], statics.drafting_length,
                                                features, lengths)
     if statics.rapid is not None:
-        out["retrieval_cache"] = retrieval_cache
+        out["drafting_cache"] = drafting_cache
     return out
 
 
@@ -415,7 +415,7 @@ def refresh_drafting(parts: SlotParts, state: SlotState, rows, prompts, lengths,
     with prompts [R, Q] (right-padded, lengths [R]), which hold the new drafting prompt followed by
     the row's generated tokens before its last_token. The full cache and every other field stay;
     rows out of range are dropped (padding)."""
-    if not statics.retrieval_length:
+    if not statics.drafting_length:
         raise SpecjaxError("only slots with a drafting context (rapid, rapid+block) refresh it")
     drafting = _drafting_context(parts, statics, prompts, lengths)
     return state.replace(**{name: _put_rows(getattr(state, name), value, rows) for name, value in drafting.items()})
@@ -467,8 +467,8 @@ def _rapid_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
         return token, ((processed, logits) if transfer else processed)
 
     draw_keys = jnp.stack(split_row_keys(draft_keys, drafts))  # [K, S, 2]
-    draft, kept, retrieval_cache = draft_on_retrieved(
-        parts.target, tcfg, state.retrieval_cache, state.retrieval_lengths, state.retrieval_previous,
+    draft, kept, drafting_cache = draft_on_retrieved(
+        parts.target, tcfg, state.drafting_cache, state.drafting_lengths, state.drafting_previous,
         state.last_token, draw_keys, draw)  # [S, K], [S, K, V] (and the raw logits with transfer)
     draft_logits = kept[0] if transfer else kept
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, K + 1]
@@ -501,9 +501,9 @@ def _rapid_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     live = ~state.done
     previous = jnp.where(n > 0, jnp.take_along_axis(draft, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0],
                          state.last_token)
-    state = state.replace(retrieval_cache=retrieval_cache,
-                          retrieval_lengths=state.retrieval_lengths + live * (n + 1),
-                          retrieval_previous=jnp.where(live, previous, state.retrieval_previous))
+    state = state.replace(drafting_cache=drafting_cache,
+                          drafting_lengths=state.drafting_lengths + live * (n + 1),
+                          drafting_previous=jnp.where(live, previous, state.drafting_previous))
     return _commit(state, draft, n, next_token, keys, out.cache, state.context_cache, statics, drafted=drafts)
 
 
@@ -528,11 +528,11 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     target pass, accept per row (speculative sampling, which is greedy acceptance on greedy rows).
     A shorter verify is a cheaper step at a full batch; the draft pass is the same. With
     statics.drafter_on_retrieval (rapid+block) the drafter works at drafting-prompt positions
-    (retrieval_lengths) while the target verifies at its own."""
+    (drafting_lengths) while the target verifies at its own."""
     tcfg, dcfg = statics.target_config, statics.drafter_config
     block = dcfg.block_size if drafts is None else drafts + 1
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
-    draft_lengths = state.retrieval_lengths if statics.drafter_on_retrieval else state.lengths  # [S]
+    draft_lengths = state.drafting_lengths if statics.drafter_on_retrieval else state.lengths  # [S]
     hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, draft_lengths,
                                 state.context_cache)  # [S, K, d]
     logits = apply_head(hidden, parts.head)  # [S, K, V']
@@ -570,7 +570,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
                              draft_lengths + advance)
     state = state.replace(refine_passes=state.refine_passes + ~state.done * passes)
     if statics.drafter_on_retrieval:
-        state = state.replace(retrieval_lengths=state.retrieval_lengths + advance)
+        state = state.replace(drafting_lengths=state.drafting_lengths + advance)
     return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=block - 1)
 
 
@@ -726,7 +726,7 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a drafter", method.needs_drafter, statics.drafter_config is not None),
         ("a refiner", method.needs_refiner, statics.refiner_config is not None),
         ("a tree config", method.needs_tree, statics.tree is not None),
-        ("a drafting context (SlotStatics.retrieval_length)", method.needs_retrieval, statics.retrieval_length > 0),
+        ("a drafting context (SlotStatics.drafting_length)", method.needs_retrieval, statics.drafting_length > 0),
         # rapid drafts with the target on its retrieval cache; rapid+block with the drafter on
         # drafting-prompt features.
         ("SlotStatics.rapid", method.needs_retrieval and not method.needs_drafter, statics.rapid is not None),
@@ -789,20 +789,20 @@ def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool,
     state = empty_slots(statics).replace(lengths=half(statics.slot.cache_length))
     if statics.rapid is not None:  # the target drafts on its retrieval cache, K passes of one token
         block, taps = statics.rapid.drafts + 1, ()
-        state = state.replace(retrieval_lengths=half(statics.retrieval_length))
+        state = state.replace(drafting_lengths=half(statics.drafting_length))
         greedy = lambda logits, keys: (jnp.argmax(logits, axis=-1).astype(jnp.int32), ())  # noqa: E731
 
         def draft(parts, state):
             keys = jnp.zeros((statics.rapid.drafts, rows, 2), jnp.uint32)
-            return draft_on_retrieved(parts.target, tcfg, state.retrieval_cache, state.retrieval_lengths,
-                                      state.retrieval_previous, state.last_token, keys, greedy)[0]
+            return draft_on_retrieved(parts.target, tcfg, state.drafting_cache, state.drafting_lengths,
+                                      state.drafting_previous, state.last_token, keys, greedy)[0]
     else:
         block, taps = dcfg.block_size, dcfg.target_layer_ids
         if statics.drafter_on_retrieval:  # rapid+block drafts at drafting-context positions
-            state = state.replace(retrieval_lengths=half(statics.retrieval_length))
+            state = state.replace(drafting_lengths=half(statics.drafting_length))
 
         def draft(parts, state):
-            at = state.retrieval_lengths if statics.drafter_on_retrieval else state.lengths
+            at = state.drafting_lengths if statics.drafter_on_retrieval else state.lengths
             hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, at,
                                         state.context_cache)
             return hidden, apply_head(hidden, parts.head)

@@ -394,7 +394,7 @@ class Scheduler:
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
             tree=config.tree if needs("needs_tree") else None,
             rapid=config.rapid if "rapid" in self.policies else None,
-            retrieval_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
+            drafting_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
             drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
         # committed tokens; sliding layers keep KV rings that hold that much past their window.
@@ -543,8 +543,8 @@ class Scheduler:
         """drafting: (prompts [R, W], lengths [R]) of the rows' drafting prompts (rapid, rapid+block)."""
         limits = [self.statics.block - 1] * len(rows) if limits is None else limits
         return self._placed(slot_api.InsertRequest(
-            retrieval_prompts=None if drafting is None else jnp.asarray(drafting[0], jnp.int32),
-            retrieval_prompt_lengths=None if drafting is None else jnp.asarray(drafting[1], jnp.int32),
+            drafting_prompts=None if drafting is None else jnp.asarray(drafting[0], jnp.int32),
+            drafting_prompt_lengths=None if drafting is None else jnp.asarray(drafting[1], jnp.int32),
             draft_limit=jnp.asarray(limits, jnp.int32),
             final=jnp.asarray(final, bool), offsets=None if offsets is None else jnp.asarray(offsets, jnp.int32),
             rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
@@ -1025,7 +1025,7 @@ class Scheduler:
             drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
             longest = max(map(len, drafts_from))
             drafting_width = min(next((b for b in self.prompt_buckets if b >= longest), longest),
-                                 self.statics.retrieval_length)
+                                 self.statics.drafting_length)
             drafting = (slot_api.token_rows(drafts_from, drafting_width), [len(t) for t in drafts_from])
             key = None  # compiled on first use (see compile)
         insert = self._insert_request(
@@ -1077,7 +1077,7 @@ class Scheduler:
         # One transfer for everything the sync reads (the drafting contexts' lengths too, when kept).
         synced = jax.device_get(_Synced(
             state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
-            state.drafted, state.retrieval_lengths if self.drafts_from_retrieval else None))
+            state.drafted, state.drafting_lengths if self.drafts_from_retrieval else None))
         now = time.perf_counter()
         if step is not None:
             self._report_step(now - step[0], step[1], step[2], synced.steps, synced.drafted, step[3])
