@@ -139,16 +139,18 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), batch.shape)
         out = forward(target_params, target_config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
                       hidden_layers=target_layer_ids, empty_cache=True)
-        best = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), max(topk, 1))  # [b, T, k] each
-        return (out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32),
-                best[1].astype(jnp.int32), best[0].astype(jnp.float16))
+        hidden, argmax = out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        if not topk:  # a log-softmax over the whole vocabulary is not free: skip it when nothing is stored
+            return hidden, argmax, None, None
+        logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), topk)  # [b, T, k] each
+        return hidden, argmax, ids.astype(jnp.int32), logprobs.astype(jnp.float16)
 
     for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):
         chunk = rows[begin : begin + batch_size]
         batch = np.zeros((batch_size, seq_len), np.int32)  # fixed batch shape: one compilation
         for i, (ids, _) in enumerate(chunk):
             batch[i, : len(ids)] = ids
-        hidden, argmax, best_ids, best_logprobs = (np.asarray(a) for a in run(jnp.asarray(batch)))
+        hidden, argmax, best_ids, best_logprobs = jax.device_get(run(jnp.asarray(batch)))
         for i, (ids, start) in enumerate(chunk):
             row = begin + i
             tokens[row] = batch[i]
