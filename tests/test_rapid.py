@@ -98,6 +98,7 @@ def test_a_broken_residual_fails_the_rapid_distribution_check(target, monkeypatc
     assert min(pvalues) < 1e-6, pvalues
 
 
+@pytest.mark.slow  # 32 s; opt-in and lossy: the default suite keeps rapid's lossless checks
 def test_knowledge_transfer_moves_the_output_toward_the_drafts(target):
     """eta = 20 moves the second token's marginal from the target's toward the drafter's (the target
     reading the drafting context instead); eta = 0 keeps the target's. Greedy rows with transfer
@@ -131,6 +132,7 @@ def test_knowledge_transfer_moves_the_output_toward_the_drafts(target):
         RapidConfig(eta=-1.0)
 
 
+@pytest.mark.slow  # 20 s; the served rapid+block test checks its exactness by default
 def test_rapid_block_drafts_from_the_drafting_prompt_and_stays_exact(target, drafter):
     """rapid+block: the block drafter reads the target's features of the drafting prompt only.
     Given the whole prompt as its drafting prompt it is the chain, step for step (the same accepted
@@ -166,15 +168,22 @@ def _rapid_config(method, **kw):
 def test_served_rapid_requests_with_their_own_drafting_prompts_equal_ar(target, drafter, method):
     """Four requests through two slots, each drafting from its own drafting prompt (the whole
     prompt, a piece of it, unrelated tokens, none given: the prompt itself): every output is AR's,
-    rows refilled as others finish, and each request reports its drafting prompt's size."""
+    rows refilled as others finish, and each request reports its drafting prompt's size. The rapid
+    server compiles ahead (its inserts and drafting-context fills apart), so its first requests
+    build no program."""
     from specjax.serve.scheduler import Request, Scheduler
 
     prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[:9] + [4, 4], DOCUMENT[5:] + [7], DOCUMENT[:12]]
     drafting = [tuple(prompts[0]), tuple(prompts[1][-5:]), (9, 9, 0), None]
     limits = [16, 9, 12, 16]
     expected = Engine(target).generate(prompts, 16).tokens
+    ahead = method == "rapid"
     scheduler = Scheduler(target, drafter if method == "rapid+block" else None, _rapid_config(method),
-                          compile_now=False)
+                          compile_now=ahead)
+    if ahead:  # moving a row between slots is a small program, compiled on first use on every server
+        built = scheduler._program
+        scheduler._program = lambda kind, **static: built(kind, **static) if kind == "move_row" else pytest.fail(
+            f"a {kind} program was built while serving")
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0, drafting_prompt=d))
                    for p, d, n in zip(prompts, drafting, limits)]
@@ -289,6 +298,10 @@ def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
     fresh = engine.generate(prompts, 20, method="rapid", drafting_prompts=unrelated, rapid=config, redraft=redraft)
     assert stale.tokens == fresh.tokens == expected
     assert fresh.stats["redrafts"] == len(seen) >= 2 and fresh.stats["redraft_s"] > 0
+    # Only each row's first refresh changes its context (unrelated -> its prompt) and prefills it,
+    # whole, since nothing is shared; later ones find the same prompt and prefill nothing.
+    first = {row: generated for row, generated in reversed(seen)}
+    assert fresh.stats["redraft_prefill_tokens"] == sum(len(prompts[row]) + len(g) - 1 for row, g in first.items())
     assert fresh.stats["tau"] > stale.stats["tau"]
     for row, generated in seen:  # each call saw a prefix of the row's output, at least `every` long
         assert len(generated) >= 4 and expected[row][: len(generated)] == generated
@@ -298,3 +311,48 @@ def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
     assert kept.tokens == expected and kept.stats["redrafts"] == 0
     with pytest.raises(SpecjaxError, match="applies to rapid"):
         engine.generate(prompts, 4, method="ar", redraft=redraft)
+
+
+def test_a_refresh_that_keeps_a_shared_prefix_fills_the_drafting_cache_as_a_whole_refill_does(target):
+    """refresh_drafting with starts (rapid): rows keep their drafting K/V before where the new
+    sequence differs and prefill only the rest; the cache, lengths and previous tokens equal a
+    whole refill's. Keeping one token too many leaves the old token's K/V there, and differs."""
+    count, old = 2, [DOCUMENT[:10], DOCUMENT[4:12]]
+    new = [old[0][:6] + [0, 0, 1], old[1][:3] + [6, 9, 9, 4, 4, 0]]  # they differ from slots 6 and 3 on
+    statics = slots.SlotStatics(TINY, slots.SlotConfig(slots=count, cache_length=32, max_new_tokens=4,
+                                                       steps_per_sync=1, insert_rows=count), (),
+                                rapid=RapidConfig(drafts=2), drafting_length=32)
+    parts = slots.slot_parts(statics, target.params)
+    full = lambda v, dt: jnp.full((count,), v, dt)  # noqa: E731
+    rows = jnp.arange(count, dtype=jnp.int32)
+    request = slots.InsertRequest(
+        rows=rows, prompts=jnp.tile(jnp.asarray([1, 5, 2], jnp.int32), (count, 1)), prompt_lengths=full(3, jnp.int32),
+        max_new_tokens=full(4, jnp.int32), seeds=jnp.arange(count, dtype=jnp.uint32),
+        sampling=slots.RowSampling(full(0.0, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32)),
+        drafting_prompts=jnp.asarray(slots.token_rows(old, 16)),
+        drafting_prompt_lengths=jnp.asarray([len(p) for p in old], jnp.int32))
+    inserted = slots.insert(parts, slots.empty_slots(statics), request, statics=statics)
+    copy = lambda: jax.tree.map(jnp.copy, inserted)  # noqa: E731 - the refresh donates its state
+    lengths = jnp.asarray([len(p) for p in new], jnp.int32)
+    whole = slots.refresh_drafting(parts, copy(), rows, jnp.asarray(slots.token_rows(new, 16)), lengths,
+                                   statics=statics)
+
+    def extended(starts):
+        suffixes = jnp.asarray(slots.token_rows([p[s:] for p, s in zip(new, starts)], 8))
+        return slots.refresh_drafting(parts, copy(), rows, suffixes, lengths, jnp.asarray(starts, jnp.int32),
+                                      statics=statics)
+
+    def cache_gap(state):
+        return max(float(jnp.abs(a[r, :n].astype(jnp.float32) - b[r, :n].astype(jnp.float32)).max())
+                   for a, b in zip(jax.tree.leaves(state.drafting_cache), jax.tree.leaves(whole.drafting_cache))
+                   for r, n in enumerate(np.asarray(lengths)))
+
+    kept = extended([6, 3])
+    np.testing.assert_array_equal(kept.drafting_lengths, whole.drafting_lengths)
+    np.testing.assert_array_equal(kept.drafting_previous, whole.drafting_previous)
+    assert cache_gap(kept) < 1e-5
+    assert cache_gap(extended([7, 3])) > 1e-3  # row 0's slot 6 still holds the old token's K/V
+    with pytest.raises(SpecjaxError, match="only rapid"):
+        rapid_block = slots.SlotStatics(TINY, statics.slot, (), drafting_length=32)
+        slots.refresh_drafting(parts, copy(), rows, jnp.zeros((count, 8), jnp.int32), lengths,
+                               jnp.zeros((count,), jnp.int32), statics=rapid_block)

@@ -399,9 +399,13 @@ class Engine:
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
         prefill_s = time.perf_counter() - start
-        redrafts, redraft_s = 0, 0.0
+        redrafts, redraft_s, redraft_tokens = 0, 0.0, 0
         if shape.streaming:
             next_redraft = np.full(batch, redraft.every if redraft else 0)
+            # Each row's drafting prompt as its drafting context holds it, so a refresh refills
+            # only what follows the part the new prompt shares with it (rapid: see refresh_drafting).
+            drafting_prompts = ([] if redraft is None else
+                                [row[:n].tolist() for row, n in zip(*to_host((retrieval[0], retrieval[1])))])
             while True:
                 tokens, counts, done = to_host((state.tokens, state.num_generated, state.done))
                 if on_tokens is not None:
@@ -411,9 +415,11 @@ class Engine:
                 due = [] if redraft is None else [i for i in range(batch) if not done[i] and counts[i] >= next_redraft[i]]
                 if due:
                     started = time.perf_counter()
-                    state, refreshed = self._redraft(shape, refresh, parts, state, redraft, due, tokens, counts)
+                    state, refreshed, prefilled = self._redraft(shape, refresh, parts, state, redraft, due, tokens,
+                                                                counts, drafting_prompts)
                     redraft_s += time.perf_counter() - started
                     redrafts += refreshed
+                    redraft_tokens += prefilled
                     next_redraft[due] = (counts[due] // redraft.every + 1) * redraft.every
                 state = run(parts, state)
         else:
@@ -444,7 +450,8 @@ class Engine:
         if on_retrieval:
             stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
         if redraft is not None:
-            stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s)
+            stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s,
+                         redraft_prefill_tokens=redraft_tokens)
             if redrafts:  # the drafting contexts were refilled: report them as they ended
                 stats["drafting_context_tokens"] = [int(n) for n in to_host(state.drafting_lengths)]
         if shape.rapid is not None:
@@ -494,12 +501,16 @@ class Engine:
         return GenerationResult(rows, stats)
 
     def _redraft(self, shape: DecodeRequestShape, refresh, parts, state, redraft: Redraft, rows: list[int],
-                 tokens, counts):
+                 tokens, counts, drafting_prompts: list[list[int]]):
         """Rebuild the drafting contexts of `rows`: each row's new drafting prompt, then its generated
-        tokens before last_token (already in its caches). Returns (state, rows refreshed). A prompt
-        longer than redraft.max_prompt_tokens would not fit the drafting context: that row keeps its
-        context (a warning says so), since the output does not depend on it."""
-        prompts, refreshed = [], []
+        tokens before last_token (already in its caches). drafting_prompts[row] is the prompt its
+        context holds now; it is updated. A prompt longer than redraft.max_prompt_tokens would not
+        fit the drafting context: that row keeps its context (a warning says so), since the output
+        does not depend on it. rapid refills a row only from where its new sequence first differs
+        from the old one (rapid+block keeps no target K/V to extend, so it refills whole rows).
+        Returns (state, rows refreshed, tokens prefilled)."""
+        extend = shape.rapid is not None
+        sequences, starts, refreshed = [], [], []
         for row in rows:
             generated = tokens[row, : counts[row]].tolist()
             prompt = list(redraft.prompt_for(row, generated))
@@ -508,19 +519,35 @@ class Engine:
                             "(Redraft.max_prompt_tokens): it keeps its drafting context", row, len(prompt),
                             redraft.max_prompt_tokens)
                 continue
-            prompts.append(prompt + generated[:-1])
+            sequence, held = prompt + generated[:-1], drafting_prompts[row] + generated[:-1]
+            drafting_prompts[row] = prompt
             refreshed.append(row)
-        if not refreshed:
-            return state, 0
+            if sequence == held:  # the same context: nothing to refill
+                continue
+            # The last held token's K/V may never have been written (decode/rapid.py), so the kept
+            # part ends before it, and before the new sequence's last token, which a refill recomputes.
+            shared = next((i for i, (new, old) in enumerate(zip(sequence, held)) if new != old),
+                          min(len(sequence), len(held)))
+            sequences.append((row, sequence))
+            starts.append(min(shared, len(held) - 1, len(sequence) - 1) if extend else 0)
+        if not sequences:
+            return state, len(refreshed), 0
         # One compiled refresh per width: the rows are padded to the batch (out-of-range rows drop).
-        width = min(_round_up(max(map(len, prompts)), self.prompt_bucket), shape.drafting_length)
-        padded = slot_api.token_rows(prompts, width, shape.batch)
+        # A row whose suffix would run past the drafting context starts earlier (refills more).
+        longest = max(len(seq) - start for (_, seq), start in zip(sequences, starts))
+        width = min(_round_up(longest, self.prompt_bucket), shape.drafting_length)
+        starts = [min(start, shape.drafting_length - width) for start in starts]
+        padded = slot_api.token_rows([seq[start:] for (_, seq), start in zip(sequences, starts)], width, shape.batch)
         lengths = np.ones(shape.batch, np.int32)
-        lengths[: len(prompts)] = [len(prompt) for prompt in prompts]
+        lengths[: len(sequences)] = [len(seq) for _, seq in sequences]
         row_ids = np.full(shape.batch, shape.batch, np.int32)
-        row_ids[: len(refreshed)] = refreshed
-        state = refresh(parts, state, self._placed(row_ids), self._placed(padded), self._placed(lengths))
-        return jax.block_until_ready(state), len(refreshed)
+        row_ids[: len(sequences)] = [row for row, _ in sequences]
+        row_starts = np.zeros(shape.batch, np.int32)
+        row_starts[: len(sequences)] = starts
+        arguments = (row_ids, padded, lengths) + ((row_starts,) if extend else ())
+        state = refresh(parts, state, *map(self._placed, arguments))
+        prefilled = sum(len(seq) - start for (_, seq), start in zip(sequences, starts))
+        return jax.block_until_ready(state), len(refreshed), prefilled
 
     def _phase_seconds(self, shape: DecodeRequestShape, statics, parts) -> dict:
         """Seconds of one draft, refinement and verify pass at this request's shapes (measured once)."""

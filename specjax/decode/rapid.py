@@ -66,7 +66,9 @@ class Redraft:
     drafting context is rebuilt from a new drafting prompt, typically chunks retrieved for the
     question and the text generated so far (`data/retrieval.py:redrafting`). Exact either way: only
     the drafts change. A refresh costs a host sync, the retrieval and a prefill of the drafting
-    prompt; it buys drafts from passages about what the answer has reached."""
+    prompt (rapid's only from the first token where the new prompt differs from the one its context
+    holds; none when they are the same); it buys drafts from passages about what the answer has
+    reached."""
 
     every: int
     """Generated tokens between refreshes (a refresh happens at the first sync past each multiple)."""

@@ -324,7 +324,9 @@ def _put_rows(whole, part, rows):
 @partial(jax.jit, static_argnames=("statics",), donate_argnames=("state",))
 def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, statics: SlotStatics) -> SlotState:
     """Prefill R prompts (or the next chunk of each) and place them, with their first token once a
-    prompt is whole, into their slots; other slots are untouched."""
+    prompt is whole, into their slots; other slots are untouched. Slots with a drafting context
+    (rapid, rapid+block) take whole prompts, and fill that context from request.drafting_prompts
+    or, when those are None, in a refresh_drafting call that must follow before the next step."""
     count = request.rows.shape[0]
     dcfg = statics.drafter_config
     on_retrieval = dcfg is not None and statics.drafter_on_retrieval
@@ -377,15 +379,19 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
                         if request.draft_limit is None else request.draft_limit),
         target_cache=put(state.target_cache, cache),
     )
+    # Without drafting prompts, a drafting-context row's context is left for refresh_drafting, which
+    # must fill it before the row's next step: a server compiles the two apart, one program per
+    # prompt bucket plus one per drafting bucket, rather than one per pair of them.
+    drafting_later = statics.drafting_length and request.drafting_prompts is None
     if statics.drafting_length:
-        if request.drafting_prompts is None or request.offsets is not None:
-            raise SpecjaxError("slots with a drafting context (rapid, rapid+block) insert whole prompts with "
-                               "their drafting prompts (drafting_prompts)")
-        drafting = _drafting_context(parts, statics, request.drafting_prompts, request.drafting_prompt_lengths)
-        if on_retrieval:
-            context = drafting.pop("context_cache")
-        fresh.update({name: put(getattr(state, name), value) for name, value in drafting.items()})
-    if dcfg is not None:
+        if request.offsets is not None:
+            raise SpecjaxError("slots with a drafting context (rapid, rapid+block) insert whole prompts")
+        if not drafting_later:
+            drafting = _drafting_context(parts, statics, request.drafting_prompts, request.drafting_prompt_lengths)
+            if on_retrieval:
+                context = drafting.pop("context_cache")
+            fresh.update({name: put(getattr(state, name), value) for name, value in drafting.items()})
+    if dcfg is not None and not (on_retrieval and drafting_later):
         fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
 
@@ -410,15 +416,42 @@ def _drafting_context(parts: SlotParts, statics: SlotStatics, prompts, lengths) 
 
 
 @partial(jax.jit, static_argnames=("statics",), donate_argnames=("state",))
-def refresh_drafting(parts: SlotParts, state: SlotState, rows, prompts, lengths, *, statics: SlotStatics) -> SlotState:
+def refresh_drafting(parts: SlotParts, state: SlotState, rows, prompts, lengths, starts=None, *,
+                     statics: SlotStatics) -> SlotState:
     """Replace the drafting contexts of `rows` [R] (re-retrieval, decode/rapid.py): each is refilled
-    with prompts [R, Q] (right-padded, lengths [R]), which hold the new drafting prompt followed by
-    the row's generated tokens before its last_token. The full cache and every other field stay;
-    rows out of range are dropped (padding)."""
+    with the new drafting prompt followed by the row's generated tokens before its last_token,
+    `lengths` [R] tokens in all. The full cache and every other field stay; rows out of range are
+    dropped (padding).
+
+    starts None: prompts [R, Q] hold the whole sequences, right-padded, and are prefilled anew.
+    starts [R] (rapid only, whose drafting cache is the target's own K/V): each row keeps its
+    drafting cache before starts[row], which the caller promises holds the new sequence's tokens
+    there (a shared prefix), and prompts [R, Q] hold the tokens from starts on; only those are
+    prefilled, after the kept ones. The caller also keeps starts + Q <= drafting_length."""
     if not statics.drafting_length:
         raise SpecjaxError("only slots with a drafting context (rapid, rapid+block) refresh it")
-    drafting = _drafting_context(parts, statics, prompts, lengths)
+    if starts is None:
+        drafting = _drafting_context(parts, statics, prompts, lengths)
+    else:
+        drafting = _extended_drafting_cache(parts, statics, state, rows, prompts, lengths, starts)
     return state.replace(**{name: _put_rows(getattr(state, name), value, rows) for name, value in drafting.items()})
+
+
+def _extended_drafting_cache(parts: SlotParts, statics: SlotStatics, state: SlotState, rows, suffixes, lengths,
+                             starts) -> dict:
+    """refresh_drafting's fields for rows whose drafting caches are kept before starts [R] and
+    extended with suffixes [R, Q] (right-padded, lengths - starts real tokens each)."""
+    if statics.rapid is None or statics.drafter_on_retrieval:
+        raise SpecjaxError("only rapid keeps the target's K/V of its drafting context, so only rapid extends "
+                           "it; refill rapid+block's drafting context whole (starts=None)")
+    held = jnp.minimum(rows, statics.slot.slots - 1)  # padding entries read any row; their writes drop
+    real = lengths - starts  # [R]
+    out = forward(parts.target, statics.target_config, suffixes,
+                  starts[:, None] + jnp.arange(suffixes.shape[1], dtype=jnp.int32),
+                  jax.tree.map(lambda c: c[held], state.drafting_cache), starts,
+                  logit_positions=jnp.maximum(real - 1, 0)[:, None], valid_lengths=real)
+    last = jnp.take_along_axis(suffixes, jnp.maximum(real - 1, 0)[:, None], axis=1)[:, 0]  # [R]
+    return {"drafting_lengths": lengths, "drafting_previous": last, "drafting_cache": out.cache}
 
 
 def _any_sampled(sampling: RowSampling) -> jax.Array:

@@ -408,6 +408,10 @@ class Scheduler:
         self.statics = dataclasses.replace(statics, target_config=model.config.with_kv_rings(self.step_slack))
         self.max_prompt = config.context_length - self.step_slack - 1
         self.prompt_buckets = self._buckets()
+        # Drafting prompts are padded to these (one compiled drafting-context fill per bucket).
+        drafting_length = self.statics.drafting_length
+        self.drafting_buckets = tuple(b for b in self.prompt_buckets if b < drafting_length) + (
+            (drafting_length,) if drafting_length else ())
         # The first rapid draft pass writes one slot before the row's last token (decode/rapid.py).
         self.max_drafting_prompt = config.drafting_slots - self.step_slack - 2
         if self.drafts_from_retrieval and config.max_new_tokens + self.step_slack + 2 > config.drafting_slots:
@@ -523,7 +527,8 @@ class Scheduler:
         shapes and layout share jit's cache and compile each shape once, as the module's jits do."""
         key = (kind, self._layout, *sorted(static.items()))
         if key not in _PROGRAMS:
-            function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row}[kind]
+            function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row,
+                        "refresh_drafting": slot_api.refresh_drafting}[kind]
             donated = 0 if kind == "move_row" else 1  # move_row(state, source, target); the others (parts, state, ...)
             _PROGRAMS[key] = jax.jit(partial(function, **static), donate_argnums=donated, **self._pinned)
         return _PROGRAMS[key]
@@ -538,13 +543,16 @@ class Scheduler:
     def _bucket_for(self, length: int) -> int:
         return next(b for b in self.prompt_buckets if b >= length)
 
+    def _drafting_fill(self, rows, prompts, width: int) -> tuple:
+        """refresh_drafting's arguments after (state): rows [R], drafting prompts padded to width
+        [R, W] and their lengths [R], placed on the server's devices."""
+        return self._placed((jnp.asarray(rows, jnp.int32), jnp.asarray(slot_api.token_rows(prompts, width), jnp.int32),
+                             jnp.asarray([len(p) for p in prompts], jnp.int32)))
+
     def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p, final=(True,),
-                        offsets=None, limits=None, drafting=None):
-        """drafting: (prompts [R, W], lengths [R]) of the rows' drafting prompts (rapid, rapid+block)."""
+                        offsets=None, limits=None):
         limits = [self.statics.block - 1] * len(rows) if limits is None else limits
         return self._placed(slot_api.InsertRequest(
-            drafting_prompts=None if drafting is None else jnp.asarray(drafting[0], jnp.int32),
-            drafting_prompt_lengths=None if drafting is None else jnp.asarray(drafting[1], jnp.int32),
             draft_limit=jnp.asarray(limits, jnp.int32),
             final=jnp.asarray(final, bool), offsets=None if offsets is None else jnp.asarray(offsets, jnp.int32),
             rows=jnp.asarray(rows, jnp.int32), prompts=jnp.asarray(prompts, jnp.int32),
@@ -622,15 +630,17 @@ class Scheduler:
         (background=False: here too); the controller uses a policy only once it is compiled."""
         started = time.perf_counter()
         self._make_ready(self.policy)
-        # A drafting-context server's inserts are shaped by two prompts (the full one and the
-        # drafting one): too many pairs to compile ahead, so each compiles on its first request.
-        for rows in () if self.drafts_from_retrieval else self.insert_sizes:
+        for rows in self.insert_sizes:
             for bucket in self.prompt_buckets:
                 request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
                                                [1] * rows, [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows,
                                                final=[True] * rows)
                 self._compiled[bucket, rows] = self._program("insert", statics=self.statics).lower(
                     self.parts, self._state, request).compile()
+            for bucket in self.drafting_buckets:  # a drafting-context server fills that context apart
+                self._compiled["drafting", bucket, rows] = self._program("refresh_drafting", statics=self.statics).lower(
+                    self.parts, self._state, *self._drafting_fill([self.config.slots] * rows, [(0,)] * rows, bucket)
+                ).compile()
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
@@ -1020,14 +1030,6 @@ class Scheduler:
         requests = [live.handle.request for _, live in batch]
         lives = [live for _, live in batch]
         pad = rows - len(batch)
-        drafting = None
-        if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0)
-            drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
-            longest = max(map(len, drafts_from))
-            drafting_width = min(next((b for b in self.prompt_buckets if b >= longest), longest),
-                                 self.statics.drafting_length)
-            drafting = (slot_api.token_rows(drafts_from, drafting_width), [len(t) for t in drafts_from])
-            key = None  # compiled on first use (see compile)
         insert = self._insert_request(
             [slot for slot, _ in batch] + [self.config.slots] * pad, tokens, [len(t) for t in takes] + [1] * pad,
             [r.max_tokens - len(x.resumed) for r, x in zip(requests, lives)] + [1] * pad,
@@ -1035,16 +1037,22 @@ class Scheduler:
             [r.temperature for r in requests] + [0.0] * pad, [r.top_k for r in requests] + [0] * pad,
             [r.top_p for r in requests] + [1.0] * pad,
             final=[start + len(t) == len(x.prompt) for start, t, x in zip(starts, takes, lives)] + [True] * pad,
-            offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad, drafting=drafting)
+            offsets=offsets, limits=[x.draft_limit for x in lives] + [self.statics.block - 1] * pad)
         started = time.perf_counter()
         run = self._compiled.get(key) or self._program("insert", statics=self.statics)
         self._state = run(self.parts, self._state, insert)
+        if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0); the same rows' drafting contexts
+            drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
+            width = next(b for b in self.drafting_buckets if b >= max(map(len, drafts_from)))
+            fill = self._compiled.get(("drafting", width, rows)) or self._program("refresh_drafting",
+                                                                                  statics=self.statics)
+            self._state = fill(self.parts, self._state, *self._drafting_fill(insert.rows, drafts_from, width))
         jax.block_until_ready(self._state.lengths)  # so the prefill's time is its own
         self.metrics.timing("prefill", time.perf_counter() - started)
         for (slot, live), start, take in zip(batch, starts, takes):
             live.prefilled = start + len(take)
             self._lengths[slot] = live.prefilled
-            if drafting is not None:
+            if self.drafts_from_retrieval:
                 self._drafting_lengths[slot] = len(live.drafting_prompt)
             live.generated_reported = 0 if live.prefilling else 1  # the prefill's token is no step's
 
