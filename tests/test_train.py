@@ -197,6 +197,7 @@ def test_the_top_k_loss_is_cross_entropy_against_the_targets_distribution(target
         sample_drafter_batch(data, 0, 0, DrafterTrainConfig(topk_weight=0.5), drafter.config.block_size)
 
 
+@pytest.mark.slow  # 12 s; a training lever (--layers with --init-drafter), not the default recipe
 def test_a_drafter_grown_by_a_layer_starts_as_the_drafter_it_grew_from(target, drafter):
     """init_from_drafter into a deeper drafter: the new layer's output projections start at zero, so
     the grown drafter's logits are the old one's until training moves them."""
@@ -206,33 +207,15 @@ def test_a_drafter_grown_by_a_layer_starts_as_the_drafter_it_grew_from(target, d
 
     from specjax.io.dflash import LoadedDrafter
     from specjax.models.drafter import init_drafter_params
-    from specjax.train.drafter import init_from_drafter
+    from specjax.train.drafter import anchor_probe_logits, init_from_drafter
 
     deeper = dataclasses.replace(drafter.config, num_layers=drafter.config.num_layers + 1)
     random = init_drafter_params(deeper, jax.random.key(3))
     grown = LoadedDrafter("grown", deeper, init_from_drafter(random, deeper, drafter), target.config.num_layers)
-    probe = lambda d: np.asarray(_tiny_probe_logits(target, d))  # noqa: E731
+    probe = lambda d: np.asarray(anchor_probe_logits(target, d, [5, 9, 2, 7], (1, 3, 11)))  # noqa: E731
     np.testing.assert_allclose(probe(grown), probe(drafter), atol=1e-5)
     assert np.abs(np.asarray(grown.params["layers_1"]["q_proj"]["kernel"])).max() > 0  # the rest is kept
     with pytest.raises(SpecjaxError, match="can grow, not shrink"):
         init_from_drafter(init_drafter_params(drafter.config, jax.random.key(0)), drafter.config, grown)
     ungrown = LoadedDrafter("random", deeper, random, target.config.num_layers)
     assert np.abs(probe(ungrown) - probe(drafter)).max() > 1e-3  # without zeroed projections it differs
-
-
-def _tiny_probe_logits(target, drafter):
-    """Slot logits of three blocks with different anchors after one context (anchor_probe_logits's
-    forward, on token ids, since the tiny target has no tokenizer): [3, 1, K, V]."""
-    import jax.numpy as jnp
-
-    from specjax.decode.autoregressive import prefill
-    from specjax.models.transformer import head_matrix
-    from specjax.train.drafter import drafter_block_logits
-
-    ids = [5, 9, 2, 7]
-    rows = jnp.asarray([ids + [a] for a in (1, 3, 11)], jnp.int32)
-    lengths = jnp.full((3,), len(ids) + 1, jnp.int32)
-    _, _, features = prefill(target.params, target.config, rows, lengths, len(ids) + 1,
-                             hidden_layers=drafter.config.target_layer_ids)
-    return drafter_block_logits(drafter.params, drafter.config, target.params, target.config, rows, features,
-                                jnp.full((3, 1), len(ids), jnp.int32), head_matrix(target.params, target.config))

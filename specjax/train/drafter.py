@@ -603,14 +603,15 @@ def init_from_drafter(drafter_params, drafter_config, start) -> dict:
     return traverse_util.unflatten_dict(ours)
 
 
-def anchor_probe_logits(model, drafter, context: str, anchors: Sequence[int]):
-    """A drafter's slot-1 logits after the chat prompt `context`, one row per anchor token in slot 0,
-    through the training forward (context features strictly before the anchor): [len(anchors), V'].
+def anchor_probe_logits(model, drafter, context: str | Sequence[int], anchors: Sequence[int]):
+    """A drafter's slot-1 logits after `context`, one row per anchor token in slot 0, through the
+    training forward (context features strictly before the anchor): [len(anchors), V'].
     A drafter whose rows barely differ ignores its anchor and must guess two tokens ahead.
-    model: a LoadedModel with a tokenizer; drafter: a LoadedDrafter."""
+    model: a LoadedModel; drafter: a LoadedDrafter; context: a chat prompt (the model's tokenizer
+    encodes it) or token ids, for a model without a tokenizer."""
     from specjax.decode.autoregressive import prefill
 
-    ids = model.tokenizer.encode_chat(context)
+    ids = model.tokenizer.encode_chat(context) if isinstance(context, str) else list(context)
     rows = jnp.asarray([ids + [a] for a in anchors], jnp.int32)  # [A, P+1]
     lengths = jnp.full((len(anchors),), len(ids) + 1, jnp.int32)
     _, _, features = prefill(model.params, model.config, rows, lengths, len(ids) + 1,
