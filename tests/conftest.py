@@ -6,6 +6,15 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite compiles hundreds of small programs, and on CPU most of their time is LLVM optimising
+# machine code that then runs for milliseconds: without it the suite takes about a quarter less
+# (tests/test_tree.py: 75 s against 99 s). XLA's own graph passes, which decide fusion and the
+# order of sums, still run. Every exactness test compares programs compiled alike in one process.
+# Set SPECJAX_TEST_FULL_XLA_OPT=1 to test at the optimisation users run at; child processes
+# (notebook kernels, multi-device runs) inherit the flag.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and \
+        not os.environ.get("SPECJAX_TEST_FULL_XLA_OPT"):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -123,6 +123,7 @@ def test_generate_chain_json_stats(tiny_with_tokenizer_and_drafter, capsys):
     assert len(chain["stats"]["per_position_acceptance"]) == 3
 
 
+@pytest.mark.slow  # 11 s; refined chains' exactness is tested through Engine in test_refiner.py
 def test_generate_with_refiner(tiny_with_tokenizer_and_drafter, capsys):
     root = tiny_with_tokenizer_and_drafter
     base = ["generate", "--model", str(root / "model"), "--prompt", "the cat", "--no-chat", "--max-new-tokens", "9",
@@ -201,6 +202,7 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     assert "applies to the methods rapid" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 29 s; trees' exactness and budget rule are tested through Engine in test_tree.py
 def test_generate_and_bench_with_trees(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # measured latencies go here, not to the user's cache
     root = tiny_with_tokenizer_and_drafter
@@ -306,6 +308,7 @@ def test_memory_command(tiny_with_tokenizer_and_drafter, tiny_compressor, capsys
     assert main(args[:-1] + ["64,x"]) == 2
 
 
+@pytest.mark.slow  # 8 s; test_sliding_window.py checks the ring sizes it reports
 def test_memory_command_on_a_sliding_target_without_a_drafter(capsys, tmp_path):
     """A Gemma 2 target nobody trained a drafter for: `--drafter untrained` gives the sizes, and
     the sliding layer's KV ring stops its share of the target cache from growing."""

@@ -148,6 +148,7 @@ def test_greedy_chain_stops_at_eos_in_bf16(target, drafter):
     assert len(engine.generate([PROMPTS[2]], 30).tokens[0]) <= 10
 
 
+@pytest.mark.slow  # 22 s; bf16 exactness is tested through Engine in this file
 def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys):
     """--dtype on generate: the KV bytes halve in bf16, and chain stays identical to AR at that precision."""
     from specjax.cli import main
