@@ -114,6 +114,7 @@ def main() -> int:
                                "verify_ms": None if draft_share is None else step_ms * (1 - draft_share),
                                "lossy": "lossy" in stats, "redrafts": stats.get("redrafts"),
                                "redraft_s": stats.get("redraft_s"),
+                               "redraft_prefill_tokens": stats.get("redraft_prefill_tokens"),
                                "tokens": out.tokens[0], "correct": is_correct(task, text), "text": text,
                                "call_s": time.perf_counter() - started}
             for method in methods:
@@ -156,7 +157,8 @@ def summary(rows: list[dict], methods: list[str]) -> str:
             name = f"{m} (lossy)" if group[0][m].get("lossy") else m
             if group[0][m].get("redrafts") is not None:
                 name += (f" ({statistics.median(r[m]['redrafts'] for r in group):g} re-retrievals, "
-                         f"{statistics.median(r[m]['redraft_s'] for r in group) * 1e3:.0f} ms)")
+                         f"{statistics.median(r[m]['redraft_s'] for r in group) * 1e3:.0f} ms, "
+                         f"{statistics.median(r[m]['redraft_prefill_tokens'] for r in group):g} tokens prefilled)")
             lines.append(f"| {context} | {name} | {tps:.1f} | {ratio:.2f}x | {prefill:.1f} | {tau} | {step} | "
                          f"{same}/{len(group)} | {right}/{len(group)} |")
         retrieval = [r["retrieval_s"] for r in group if "retrieval_s" in r]
