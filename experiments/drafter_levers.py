@@ -2,7 +2,7 @@
 variants, on the same data, for the same steps, each scored the same way.
 
     python experiments/drafter_levers.py --data runs/drafter-v3/data --steps 1000 \
-        [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4]
+        [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4] [--start FOLDER]
 
 A variant is a dash-joined list of settings:
   b<N>      block size N (the committed drafter's slot embeddings are cut or kept; default 16);
@@ -13,7 +13,7 @@ A variant is a dash-joined list of settings:
 For example `--variants b8,b8-topk1,b8-l2` compares argmax cross-entropy, top-k cross-entropy and a
 second layer at block 8.
 
-Each run starts from the committed drafter, trains in bf16 with float32 master weights on the
+Each run starts from the committed drafter (or `--start FOLDER`), trains in bf16 with float32 master weights on the
 distillation sets in `--data` (those `specjax train-drafter` wrote: chat, everyday, math, code,
 self_instruct and corpus, whichever exist), and is scored by greedy chain decoding replayed over the
 held-out chat answers in `--data/heldout_chat`, looping ones left out (`chain_walk_tau`). Every run
@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--variants", default="b8,b16")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--out", default="runs/levers")
+    parser.add_argument("--start", default="default",
+                        help="the drafter every variant starts from: a DFlash-format folder, or default (the committed one)")
     args = parser.parse_args()
 
     import jax
@@ -75,7 +77,7 @@ def main() -> None:
     print(f"training sets: {sum(s.num_tokens for s in sets):,} labels; held-out chat: {heldout.num_sequences} "
           f"answers ({looping} looping left out)", flush=True)
     model = load_model("smollm2", "bfloat16")
-    committed = resolve_drafter("default", "smollm2")
+    committed = resolve_drafter(args.start, "smollm2")
     variants = {name: parse_variant(name, committed.config.num_layers) for name in args.variants.split(",")}
     results = {}
     for name, variant in variants.items():

@@ -19,7 +19,7 @@
 # forward pass of its own and keeps the longest prefix it agrees with, plus one token of its own.
 # With greedy decoding the output is the target's own greedy output, token for token.
 #
-# This notebook runs SmolLM2-135M with its committed drafter (1 layer, block 16) and measures:
+# This notebook runs SmolLM2-135M with its committed drafter (1 layer, block 8) and measures:
 # - **tau**, the tokens committed per target pass;
 # - **per-position acceptance**: how often draft slot *k* survives verification;
 # - the **speedup** over autoregressive decoding, timed side by side on this machine;
