@@ -546,7 +546,8 @@ class Scheduler:
     def _drafting_fill(self, rows, prompts, width: int) -> tuple:
         """refresh_drafting's arguments after (state): rows [R], drafting prompts padded to width
         [R, W] and their lengths [R], placed on the server's devices."""
-        return self._placed((jnp.asarray(rows, jnp.int32), jnp.asarray(slot_api.token_rows(prompts, width), jnp.int32),
+        padded = slot_api.token_rows(prompts, width)
+        return self._placed((jnp.asarray(rows, jnp.int32), jnp.asarray(padded, jnp.int32),
                              jnp.asarray([len(p) for p in prompts], jnp.int32)))
 
     def _insert_request(self, rows, prompts, lengths, max_new, seeds, temperature, top_k, top_p, final=(True,),
@@ -638,9 +639,9 @@ class Scheduler:
                 self._compiled[bucket, rows] = self._program("insert", statics=self.statics).lower(
                     self.parts, self._state, request).compile()
             for bucket in self.drafting_buckets:  # a drafting-context server fills that context apart
-                self._compiled["drafting", bucket, rows] = self._program("refresh_drafting", statics=self.statics).lower(
-                    self.parts, self._state, *self._drafting_fill([self.config.slots] * rows, [(0,)] * rows, bucket)
-                ).compile()
+                fill = self._program("refresh_drafting", statics=self.statics)
+                arguments = self._drafting_fill([self.config.slots] * rows, [(0,)] * rows, bucket)
+                self._compiled["drafting", bucket, rows] = fill.lower(self.parts, self._state, *arguments).compile()
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
@@ -1041,11 +1042,10 @@ class Scheduler:
         started = time.perf_counter()
         run = self._compiled.get(key) or self._program("insert", statics=self.statics)
         self._state = run(self.parts, self._state, insert)
-        if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0); the same rows' drafting contexts
+        if self.drafts_from_retrieval:  # whole prompts only (prefill_chunk is 0); then the rows' drafting contexts
             drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
             width = next(b for b in self.drafting_buckets if b >= max(map(len, drafts_from)))
-            fill = self._compiled.get(("drafting", width, rows)) or self._program("refresh_drafting",
-                                                                                  statics=self.statics)
+            fill = self._compiled.get(("drafting", width, rows)) or self._program("refresh_drafting", statics=self.statics)
             self._state = fill(self.parts, self._state, *self._drafting_fill(insert.rows, drafts_from, width))
         jax.block_until_ready(self._state.lengths)  # so the prefill's time is its own
         self.metrics.timing("prefill", time.perf_counter() - started)
