@@ -184,7 +184,7 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     assert rapid["stats"]["rapid_drafts"] == 3 and "tau" in rapid["stats"]
     assert main([a for a in base if a != "--json"] + rapid_args) == 0  # the printed summary
     err = capsys.readouterr().err
-    assert "bm25 retrieved" in err and "retrieval cache" in err and "tau" in err
+    assert "bm25 retrieved" in err and "drafting cache" in err and "tau" in err
     assert main(base + rapid_args + ["--redraft-every", "3"]) == 0  # retrieval again, for the answer so far
     again = _last_json(capsys)
     assert again["tokens"] == ar["tokens"] and again["stats"]["redrafts"] >= 1
