@@ -169,8 +169,8 @@ def test_served_rapid_requests_with_their_own_drafting_prompts_equal_ar(target, 
     """Four requests through two slots, each drafting from its own drafting prompt (the whole
     prompt, a piece of it, unrelated tokens, none given: the prompt itself): every output is AR's,
     rows refilled as others finish, and each request reports its drafting prompt's size. The rapid
-    server compiles ahead (its inserts and drafting-context fills apart), so its first requests
-    build no program."""
+    server compiles ahead (its inserts at start, its drafting-context fills on the background
+    thread), so once that thread is done its requests build no program."""
     from specjax.serve.scheduler import Request, Scheduler
 
     prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[:9] + [4, 4], DOCUMENT[5:] + [7], DOCUMENT[:12]]
@@ -181,6 +181,9 @@ def test_served_rapid_requests_with_their_own_drafting_prompts_equal_ar(target, 
     scheduler = Scheduler(target, drafter if method == "rapid+block" else None, _rapid_config(method),
                           compile_now=ahead)
     if ahead:  # moving a row between slots is a small program, compiled on first use on every server
+        assert scheduler.wait_compiled(timeout=600)  # the drafting-context fills compile in the background
+        assert {key for key in scheduler._compiled if key[0] == "drafting"} == {
+            ("drafting", bucket, rows) for bucket in scheduler.drafting_buckets for rows in scheduler.insert_sizes}
         built = scheduler._program
         scheduler._program = lambda kind, **static: built(kind, **static) if kind == "move_row" else pytest.fail(
             f"a {kind} program was built while serving")

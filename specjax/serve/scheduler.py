@@ -625,10 +625,45 @@ class Scheduler:
               f"({', '.join(sorted(self.controller.ready))}); the rest compiled in the background in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
+    def _compile_drafting_fills(self) -> None:
+        """One drafting-context fill per (drafting bucket, insert size): a rapid server fills that
+        context apart from the insert. A prefill whose fill is not compiled yet compiles it then."""
+        started = time.perf_counter()
+        for rows in self.insert_sizes:
+            for bucket in self.drafting_buckets:
+                if self._stopping:
+                    return
+                fill = self._program("refresh_drafting", statics=self.statics)
+                arguments = self._drafting_fill([self.config.slots] * rows, [(0,)] * rows, bucket)
+                self._compiled["drafting", bucket, rows] = fill.lower(self.parts, self._state, *arguments).compile()
+        print(f"[specjax] drafting-context fills ready: {len(self.drafting_buckets)} drafting buckets x "
+              f"{len(self.insert_sizes)} insert sizes in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+              flush=True)
+
+    def _compile_later(self, rest: tuple[str, ...]) -> None:
+        """The background compiler: drafting-context fills first (the next requests' prefills need
+        them), then the adaptive controller's other policies."""
+        try:
+            if self.drafting_buckets:
+                self._compile_drafting_fills()
+        except Exception:  # noqa: BLE001 - prefills compile a missing fill on first use instead
+            log.exception("compiling the drafting-context fills failed; prefills will compile them on first use")
+        if rest:
+            self._compile_rest(rest)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compiler is done (True), or timeout seconds pass (False)."""
+        if self._compiler is not None:
+            self._compiler.join(timeout)
+            return not self._compiler.is_alive()
+        return True
+
     def compile(self, background: bool = True) -> None:
         """Compile the steps and one insert per prompt bucket now, so no request waits for XLA. An
         adaptive server compiles its start policy here and the others on a background thread
-        (background=False: here too); the controller uses a policy only once it is compiled."""
+        (background=False: here too); the controller uses a policy only once it is compiled. A
+        rapid server's drafting-context fills go to that thread too, ahead of any other policy: the
+        server answers sooner, and a prefill that comes before its fill compiles it then."""
         started = time.perf_counter()
         self._make_ready(self.policy)
         for rows in self.insert_sizes:
@@ -638,10 +673,6 @@ class Scheduler:
                                                final=[True] * rows)
                 self._compiled[bucket, rows] = self._program("insert", statics=self.statics).lower(
                     self.parts, self._state, request).compile()
-            for bucket in self.drafting_buckets:  # a drafting-context server fills that context apart
-                fill = self._program("refresh_drafting", statics=self.statics)
-                arguments = self._drafting_fill([self.config.slots] * rows, [(0,)] * rows, bucket)
-                self._compiled["drafting", bucket, rows] = fill.lower(self.parts, self._state, *arguments).compile()
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
@@ -658,12 +689,12 @@ class Scheduler:
               f"{len(self.prompt_buckets)} prompt buckets ({', '.join(map(str, self.prompt_buckets))}) in "
               f"{self.compile_seconds:.1f} s", file=sys.stderr, flush=True)
         rest = tuple(p for p in self.policies if p != self.policy)
-        if rest and background:
-            self._compiler = threading.Thread(target=self._compile_rest, args=(rest,), name="specjax-compile",
+        if (rest or self.drafting_buckets) and background:
+            self._compiler = threading.Thread(target=self._compile_later, args=(rest,), name="specjax-compile",
                                               daemon=True)
             self._compiler.start()
-        elif rest:
-            self._compile_rest(rest)
+        else:
+            self._compile_later(rest)
         if self.model.config.dtype != "float32":
             # Measured: 3 of 12 held-out prompts (BENCHMARKS.md, "32 slots in bf16").
             print(f"[specjax] {self.model.config.dtype} compute: a row's rounding depends on the rows sharing its "
