@@ -197,6 +197,26 @@ def test_noise_near_a_tie_does_not_make_the_controller_thrash():
     assert sum(controller.switches.values()) <= 1, controller.switches
 
 
+def test_near_a_tie_the_controller_settles_on_less_speculation():
+    """A 4% predicted lead moves the controller from the chain to AR (margin_to_fewer, 0 by
+    default), but not from AR back to the chain (margin, 8%)."""
+    controller = _controller(patience=3, margin=0.08)
+    _observe_chain(controller, 0.5)
+    chain = controller.predicted(1, 128, [None])["chain"]
+    controller.startup_s["ar", 1] = 1.0 / (1.04 * chain / controller.steps_per_call)  # AR predicted 4% ahead
+    decisions = [controller.decide(1, 128, [None]).policy for _ in range(3)]
+    assert decisions == ["chain", "chain", "ar"], decisions
+    controller.startup_s["ar", 1] = 1.0 / (chain / 1.04 / controller.steps_per_call)  # now the chain is 4% ahead
+    assert {controller.decide(1, 128, [None]).policy for _ in range(10)} == {"ar"}
+    # A margin_to_fewer as large as the margin restores symmetric hysteresis; one above it is refused.
+    symmetric = _controller(patience=1, margin=0.08, margin_to_fewer=0.08)
+    _observe_chain(symmetric, 0.5)
+    symmetric.startup_s["ar", 1] = 1.0 / (1.04 * symmetric.predicted(1, 128, [None])["chain"])
+    assert {symmetric.decide(1, 128, [None]).policy for _ in range(5)} == {"chain"}
+    with pytest.raises(SpecjaxError, match="margin_to_fewer"):
+        ControllerConfig(margin=0.05, margin_to_fewer=0.1)
+
+
 def test_measured_slowdowns_refit_the_costs_online():
     controller = _controller()
     _observe_chain(controller, 0.8)

@@ -15,7 +15,7 @@ Bastion's tree-size rule generalised from one sequence to a batch and to a choic
   a drift factor per (row bucket, attention length) refitted online from every measured call: a
   step that runs slower than its start-up time slows every policy's prediction at that shape.
 - Hysteresis: a challenger must be predicted `margin` faster at `patience` consecutive decisions
-  before the controller switches, so a policy that stops paying is dropped within patience x
+  before the controller switches (`margin_to_fewer`, smaller, for one that speculates less), so a policy that stops paying is dropped within patience x
   steps_per_sync steps, and noise near a tie never flips it (vLLM's threshold thrash).
 - Policies not run lately are probed for one call every `probe_every` calls, so estimates of a
   policy that became good again are not stuck at old values.
@@ -53,7 +53,13 @@ class ControllerConfig:
     ema: float = 0.25
     """Weight of the newest observation in every moving average."""
     margin: float = 0.08
-    """A challenger must be predicted this fraction faster than the current policy."""
+    """A challenger that drafts more than the current policy must be predicted this fraction faster."""
+    margin_to_fewer: float = 0.0
+    """A challenger that drafts fewer (AR among them) must be predicted this fraction faster. Below
+    `margin`, so near a tie the controller settles on less speculation: the step timings it compares
+    leave out costs only speculation pays (building the drafter's context at prefill, burstier
+    token delivery), and in a bf16 sweep on 8 slots a chain chosen on a 3% predicted lead served 12%
+    fewer tokens than AR (BENCHMARKS.md, the bf16 rate sweep)."""
     patience: int = 3
     """Consecutive decisions a challenger must win before the switch."""
     probe_every: int = 48
@@ -76,6 +82,8 @@ class ControllerConfig:
             raise SpecjaxError(f"ema must be in (0, 1], got {self.ema}")
         if not 0.0 <= self.margin < 1.0:
             raise SpecjaxError(f"margin must be in [0, 1), got {self.margin}")
+        if not 0.0 <= self.margin_to_fewer <= self.margin:
+            raise SpecjaxError(f"margin_to_fewer must be in [0, margin={self.margin}], got {self.margin_to_fewer}")
         if not 0.0 < self.kv_high_water <= 1.0:
             raise SpecjaxError(f"kv_high_water must be in (0, 1], got {self.kv_high_water}")
         check_at_least(1, patience=self.patience)
@@ -226,6 +234,11 @@ class Controller:
             return None
         return self.block - 1 if method.drafts is None else method.drafts
 
+    def _rank(self, policy: str) -> int:
+        """How much a policy speculates: its chain drafts (AR 0); trees and refined chains above every chain."""
+        drafts = self.drafts[policy]
+        return self.block if drafts is None else drafts
+
     # ---- what the scheduler reports ----
 
     def mark_ready(self, policy: str, startup_seconds: dict[int, float]) -> None:
@@ -355,7 +368,8 @@ class Controller:
                 return self._decided(probe, "probe", per_step, values, count=True, keep_current=True)
         best = max(values, key=values.get) if values else self.current
         current_value = values.get(self.current, 0.0)
-        if best != self.current and values[best] > (1 + self.config.margin) * current_value:
+        margin = self.config.margin_to_fewer if self._rank(best) < self._rank(self.current) else self.config.margin
+        if best != self.current and values[best] > (1 + margin) * current_value:
             self._wins = self._wins + 1 if best == self._challenger else 1
             self._challenger = best
             if self._wins >= self.config.patience:
