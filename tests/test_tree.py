@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.decode import tree as tree_module
-from specjax.decode.budget import LatencyModel, TreeCosts, chosen_tree_size
+from specjax.decode.budget import LatencyModel, TreeCosts, chosen_bucket, monotone_costs
 from specjax.decode.engine import Engine
 from specjax.decode.sampling import SamplingConfig, processed_logits
 from specjax.decode.tree import (DraftTree, TreeConfig, accept_tree, ancestor_mask, best_first_tree, fixed_tree,
@@ -118,26 +118,35 @@ def _costs(verify, fixed=0.01):
                      jnp.float32(fixed))
 
 
-def test_stop_rule_grows_trees_when_verification_is_cheap_and_shrinks_them_when_not():
+def test_size_rule_grows_trees_when_verification_is_cheap_and_shrinks_them_when_not():
     log_probs, tokens = _candidates(3, batch=2, depths=4, k=4)
     tree = best_first_tree(jnp.asarray([0, 0]), log_probs, tokens, 32)
-    choose = lambda costs, live=jnp.asarray([True, True]): int(chosen_tree_size(tree.log_prob, tree.valid, live,
-                                                                                 costs, 32))
+    buckets = (1, 4, 8, 16, 32)
+    choose = lambda costs, live=jnp.asarray([True, True]): int(chosen_bucket(tree.log_prob, tree.valid, live,
+                                                                             costs, buckets)[1])
     flat = choose(_costs(lambda s: 0.01))  # GPU-like: size is free
     steep = choose(_costs(lambda s: 0.01 * s))  # CPU-like
     steeper = choose(_costs(lambda s: 0.04 * s))  # the same CPU at a bigger batch
     assert flat == 32
     assert 1 <= steeper <= steep < 32
-    # The rule itself, checked by hand for row 0 alone at the first node it refuses.
+    # The rule itself, checked by hand for row 0 alone: the bucket with the most S(b) / T(b).
     costs = _costs(lambda s: 0.01 * s)
-    n = choose(costs, jnp.asarray([True, False]))
     p = np.exp(np.asarray(tree.log_prob[0]))
-    c = lambda m: float(costs.verify_cost(jnp.asarray(m)))
-    assert p[n] * (0.01 + c(n)) <= p[:n].sum() * (c(n + 1) - c(n)) + 1e-9
-    assert p[n - 1] * (0.01 + c(n - 1)) > p[:n - 1].sum() * (c(n) - c(n - 1))
-    # Rows are summed: two identical rows choose what one row chooses.
+    rate = lambda b: p[:b].sum() / (0.01 + float(costs.verify_cost(jnp.asarray(b))))  # noqa: E731
+    index, size = chosen_bucket(tree.log_prob, tree.valid, jnp.asarray([True, False]), costs, buckets)
+    assert int(size) == buckets[int(index)] == max(buckets, key=rate)
+    # A step-shaped curve, as bf16 rows padded to 16 give: 1 node cheap, 2 to 16 alike. The greedy
+    # stop rule quits at node 2 whenever P(v2) * T(1) < S(1) * (C(2) - C(1)); the bucket rule sees
+    # that nodes 3..16 come free with it.
+    step = TreeCosts(jnp.asarray([1, 2, 16], jnp.float32), jnp.asarray([0.040, 0.047, 0.047], jnp.float32),
+                     jnp.float32(0.004))
+    weak = jnp.log(jnp.asarray([[1.0, 0.1, 0.09, 0.08] + [0.05] * 12]))
+    assert int(chosen_bucket(weak, jnp.ones_like(weak, bool), jnp.asarray([True]), step, (1, 2, 16))[1]) == 16
+    assert 0.1 * (0.004 + 0.040) < 1.0 * (0.047 - 0.040)  # where the greedy rule would have stopped at 1
+    # Rows are summed: two identical rows choose what one row chooses; dead rows count nothing.
     twin = best_first_tree(jnp.asarray([0, 0]), log_probs[:1].repeat(2, 0), tokens[:1].repeat(2, 0), 32)
-    assert int(chosen_tree_size(twin.log_prob, twin.valid, jnp.asarray([True, True]), costs, 32)) == n
+    assert int(chosen_bucket(twin.log_prob, twin.valid, jnp.asarray([True, True]), costs, buckets)[1]) == int(size)
+    assert int(chosen_bucket(tree.log_prob, tree.valid, jnp.asarray([False, False]), costs, buckets)[1]) == 1
 
 
 def test_latency_model_refits_online_and_round_trips(tmp_path):
@@ -157,6 +166,24 @@ def test_latency_model_refits_online_and_round_trips(tmp_path):
     again = LatencyModel.load(key, tmp_path)
     assert again.verify_s == model.verify_s and again.observations == model.observations
     assert LatencyModel.load("another key", tmp_path) is None
+
+
+def test_latency_refit_spreads_loop_costs_over_every_size_it_ran():
+    """Every size costs 0.05 s to verify, measured alone, but each step in the loop pays 0.025 s
+    that the isolated passes miss. Calls run mostly 1-node trees, some 4-node ones. The refit must
+    keep the curve flat: charging that cost to 2 and 4 nodes only (size 1 pinned at its isolated
+    time) would make drafting look dear and stop the rule from drafting at all."""
+    model = LatencyModel(sizes=[1, 2, 4], verify_s=[0.05, 0.05, 0.05], fixed_s=0.005)
+    for steps, share in [(100, 0.9), (80, 0.7), (120, 0.95), (90, 0.5), (110, 0.8), (70, 0.6)]:
+        counts = {1: int(steps * share), 2: 0, 4: steps - int(steps * share)}
+        model.observe(steps, counts, 0.2 + steps * (0.005 + 0.05 + 0.025))
+    one, _, four = model.verify_s
+    assert one > 0.055 and abs(four - one) < 0.005, model.verify_s  # 1 node took its share of the loop's cost
+    # A dip is noise: a larger tree never costs less.
+    assert monotone_costs([0.05, 0.08, 0.06, 0.09]) == pytest.approx([0.05, 0.07, 0.07, 0.09])
+    dipped = LatencyModel(sizes=[1, 8, 16], verify_s=[0.01, 0.03, 0.02], fixed_s=0.01)
+    dipped.observe(10, {8: 5, 16: 5}, 10 * 0.01 + 5 * 0.03 + 5 * 0.02)
+    assert dipped.verify_s == sorted(dipped.verify_s), dipped.verify_s
 
 
 def test_tree_config_refuses_bad_values():

@@ -1,10 +1,13 @@
-"""How big a draft tree pays for itself: the acceptance proxy, the stop rule and the latency model.
+"""How big a draft tree pays for itself: the acceptance proxy, the size rule and the latency model.
 
 A step costs T(n) = T_fixed + C(n): drafting and bookkeeping, plus verifying n tree nodes. It
 commits about S(n) = sum of P(v) over the first n nodes in pop order (the root's P = 1 is the
-bonus/correction token). Throughput S/T grows by adding node v exactly when
-    P(v) * (T_fixed + C(n)) > S(n) * (C(n+1) - C(n)),
-which is the stop rule: nodes are added in pop order until the first one that fails it.
+bonus/correction token). The loop verifies one of a few compiled sizes (buckets), each filled with
+the next nodes in pop order, so the rule picks the bucket b with the most committed tokens per
+second, S(b) / T(b). Bastion's stop rule (add node v while P(v) * T(n) > S(n) * (C(n+1) - C(n)))
+is that choice made greedily, which is exact for a convex C; a measured C is often a step instead
+(bf16 rows padded to 16: 1 node 40 ms, 2 to 16 nodes 44-48 ms), and there the greedy rule stops at
+the first dear node and never sees the free ones behind it.
 
 C(n) is not a constant of the method: on a CPU verifying 64 tokens costs several decode steps,
 on a GPU about one. So it is measured on this machine for each (model, batch, cache length),
@@ -30,7 +33,7 @@ from flax import struct
 from specjax.files import make_dir
 
 
-LATENCY_FORMAT = 6
+LATENCY_FORMAT = 7
 """Bumped whenever what a step does changes, so stale measurements on disk are not reused."""
 
 
@@ -50,23 +53,46 @@ class TreeCosts:
         return jnp.interp(num_nodes.astype(jnp.float32), self.sizes, self.verify_s)
 
 
-def chosen_tree_size(log_prob, valid, live, costs: TreeCosts, max_nodes: int):
-    """The stop rule for a batch, which verifies one tree size for every row. log_prob, valid:
-    [B, N] in pop order; live: [B] bool (rows still decoding). Returns the node count [] int32, at
-    least 1 (the root) and at most max_nodes.
+def chosen_bucket(log_prob, valid, live, costs: TreeCosts, buckets: tuple[int, ...]):
+    """The size rule for a batch, which verifies one bucket for every row. log_prob, valid: [B, N]
+    in pop order; live: [B] bool (rows still decoding); buckets: the compiled sizes, increasing.
+    Returns (bucket index [] int32, its node count [] int32).
 
-    Node n of every row is added while its summed gain pays for the summed cost:
-        sum_b P_b(n) * (T_fixed + C(n)) > sum_b S_b(n) * (C(n+1) - C(n)),
-    which for one row is the rule in the module docstring. C is measured at the batch's size, so on
-    hardware where verifying costs grow with batch x nodes the same rule picks smaller trees."""
+    The bucket with the most committed tokens per second over the live rows,
+        argmax_b  sum_rows S(b) / (T_fixed + C(b)),
+    the smaller on a tie. C is measured at the batch's size, so on hardware where verifying costs
+    grow with batch x nodes the same rule picks smaller trees."""
     num_nodes = log_prob.shape[1]
     path_prob = jnp.where(valid & live[:, None], jnp.exp(log_prob), 0.0)  # [B, N]
-    gain = jnp.sum(path_prob, axis=0)  # [N]: summed P of the n-th node over rows
-    proxy = jnp.cumsum(gain)  # [N]: proxy[n-1] = summed S(n)
-    n = jnp.arange(1, num_nodes, dtype=jnp.int32)  # nodes held before adding node index n
-    cost_now, cost_next = costs.verify_cost(n), costs.verify_cost(n + 1)  # [N-1]
-    pays = (gain[1:] * (costs.fixed_s + cost_now) > proxy[:-1] * (cost_next - cost_now)) & (n < max_nodes)
-    return 1 + jnp.sum(jnp.cumprod(pays.astype(jnp.int32)))
+    proxy = jnp.cumsum(jnp.sum(path_prob, axis=0))  # [N]: proxy[n-1] = summed S(n)
+    sizes = jnp.asarray(buckets, jnp.int32)  # [M]
+    committed = proxy[jnp.minimum(sizes, num_nodes) - 1]  # [M]
+    index = jnp.argmax(committed / (costs.fixed_s + costs.verify_cost(sizes))).astype(jnp.int32)
+    return index, sizes[index]
+
+
+def interleaved_min_seconds(repeats: int, fns: dict) -> dict:
+    """The least wall time of every fn over `repeats` rounds, each round calling all of them once
+    in turn, after one untimed call each (compile, warm-up). Taking turns spreads a slow spell of a
+    shared machine over every fn instead of one, and the least time drops the spell (noise here
+    only ever adds), so the differences between fns are their own."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    best = {key: float("inf") for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def monotone_costs(seconds) -> list[float]:
+    """The closest non-decreasing curve (least squares, scipy's isotonic regression): verifying
+    more nodes never costs less, so a dip is noise, and the stop rule would read it as a free node."""
+    from scipy.optimize import isotonic_regression
+
+    return [float(x) for x in isotonic_regression(np.asarray(seconds, float), increasing=True).x]
 
 
 def median_seconds(repeats: int, fn) -> float:
@@ -146,9 +172,13 @@ class LatencyModel:
         self._refit()
 
     def _refit(self) -> None:
-        # Unknowns: per_call_s, fixed_s, and C at every measured size except 1, which the tree loop
-        # never runs (it anchors the interpolation: a plain decode step, kept as measured).
-        fitted = self.sizes[1:] if self.sizes[0] == 1 else list(self.sizes)
+        # Unknowns: per_call_s, fixed_s, and C at every measured size the loop has run. A size it
+        # never ran (1 where it is no bucket: an anchor of the interpolation) stays as measured. Size
+        # 1 is fitted once run: pinned at its isolated time, it once left every cost of a step that
+        # the isolated passes miss to the larger sizes, so a flat curve (bf16, rows padded to 16)
+        # was refitted into 1 node at 52 ms against 80-88 ms for 2-16, and the rule stopped drafting.
+        run = {s for obs in self.observations for s, c in obs["counts"].items() if c}
+        fitted = [s for s in self.sizes if s != 1 or 1 in run]
         prior = np.array([0.0, self.prior_fixed_s] + [self.prior_verify_s[self.sizes.index(s)] for s in fitted])
         scale = np.maximum(prior, 1e-9)
         scale[0] = self.per_call_scale_s
@@ -164,6 +194,7 @@ class LatencyModel:
         self.fixed_s = float(solution[1])
         for s, value in zip(fitted, solution[2:]):
             self.verify_s[self.sizes.index(s)] = float(value)
+        self.verify_s = monotone_costs(self.verify_s)
 
     def predicted_wall_s(self, steps: int, counts: dict[int, int]) -> float:
         return self.per_call_s + steps * self.fixed_s + sum(c * self.verify_s[self.sizes.index(s)] for s, c in counts.items())

@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from specjax.decode.autoregressive import _eos_array, prefill
-from specjax.decode.budget import TreeCosts, chosen_tree_size, median_seconds
+from specjax.decode.budget import TreeCosts, chosen_bucket, median_seconds
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
 from specjax.decode.rapid import RapidConfig, draft_on_retrieved
 from specjax.decode.refine import RefineConfig, refine_drafts
@@ -657,8 +657,7 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
                           lambda: logits.astype(jnp.float32))
     nodes = build_tree(state.last_token, logits, parts.draft_vocab, tree, SamplingConfig(), max_nodes)
     if tree.auto:
-        chosen = chosen_tree_size(nodes.log_prob, nodes.valid, live, parts.tree_costs, max_nodes)  # []
-        bucket = jnp.minimum(jnp.sum(jnp.asarray(buckets, jnp.int32) < chosen), len(buckets) - 1)
+        bucket, chosen = chosen_bucket(nodes.log_prob, nodes.valid, live, parts.tree_costs, buckets)  # [], []
     else:
         chosen, bucket = jnp.int32(buckets[0]), jnp.int32(0)
 

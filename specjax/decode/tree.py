@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decode.budget import LatencyModel, TreeCosts, chosen_tree_size, median_seconds
+from specjax.decode.budget import (LatencyModel, TreeCosts, chosen_bucket, interleaved_min_seconds,
+                                  median_seconds, monotone_costs)
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits
 from specjax.decode.context import append_context, empty_context_cache
@@ -409,7 +410,6 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
         chosen_nodes=jnp.int32(0),
         refine_passes=jnp.int32(0),
     )
-    bucket_sizes = jnp.asarray(buckets, jnp.int32)
 
     def verify_at(size):
         return lambda s, nodes, rng: verify_tree(target_params, target_config, nodes.take(size), s.lengths,
@@ -422,8 +422,7 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
                                          s.lengths, s.context_cache, head, draft_vocab, refiner)
         nodes = build_tree(s.last_token, logits, draft_vocab, tree, sampling, max_nodes)
         if tree.auto:
-            chosen = chosen_tree_size(nodes.log_prob, nodes.valid, live, costs, max_nodes)  # []
-            bucket = jnp.minimum(jnp.sum(bucket_sizes < chosen), len(buckets) - 1)
+            bucket, chosen = chosen_bucket(nodes.log_prob, nodes.valid, live, costs, buckets)  # [], []
         else:
             chosen = jnp.int32(max_nodes)
             bucket = jnp.int32(0)
@@ -480,9 +479,11 @@ def measure_tree_latency(target_params, target_config: TransformerConfig, drafte
     size-independent part (drafting, tree building) at batch lengths.shape[0] on this machine.
 
     verify_seconds: a memo of verify times by (batch, cache_length, size), shared between trees of
-    any shape or drafter, since a verify pass costs the same whatever its tree looks like."""
-    from tqdm.auto import tqdm
+    any shape or drafter, since a verify pass costs the same whatever its tree looks like.
 
+    Each size's time is its least over `repeats` rounds in which the sizes take turns, and the curve
+    is made non-decreasing: on a shared machine, the median of one size's calls in a row can take a
+    slow spell for a gap between sizes, which the budget rule would read as real."""
     batch, num_draft = lengths.shape[0], drafter_config.block_size - 1
     verify_seconds = {} if verify_seconds is None else verify_seconds
     sizes = [1] + [s for s in tree.node_buckets(num_draft) if s != 1]
@@ -508,13 +509,12 @@ def measure_tree_latency(target_params, target_config: TransformerConfig, drafte
 
     print(f"[specjax] measuring tree verification latency at batch {batch}, cache {cache_length} "
           f"(once per machine, model and shape; cached)", file=sys.stderr, flush=True)
-    verify_s = []
-    for size in tqdm(sizes, desc="latency", leave=False, disable=not sys.stderr.isatty()):
-        measured = (batch, cache_length, size)
-        if measured not in verify_seconds:
-            fn = jax.jit(verify_part, static_argnums=2)
-            verify_seconds[measured] = median_seconds(repeats, lambda: fn(target_params, target_cache, size))
-        verify_s.append(verify_seconds[measured])
+    missing = [size for size in sizes if (batch, cache_length, size) not in verify_seconds]
+    verify = jax.jit(verify_part, static_argnums=2)
+    calls = {size: partial(verify, target_params, target_cache, size) for size in missing}
+    for size, seconds in interleaved_min_seconds(repeats, calls).items():
+        verify_seconds[batch, cache_length, size] = seconds
+    verify_s = monotone_costs([verify_seconds[batch, cache_length, size] for size in sizes])
     fixed = jax.jit(fixed_part)
     fixed_s = median_seconds(repeats, lambda: fixed(target_params, drafter_params, context, head, draft_vocab, refiner))
     return LatencyModel(sizes=sizes, verify_s=verify_s, fixed_s=fixed_s)
