@@ -132,10 +132,28 @@ def test_greedy_speculation_equals_autoregressive_with_padded_steps(target, draf
     bf16 = at_compute_dtype(target, "bfloat16")
     padded = dataclasses.replace(bf16, config=dataclasses.replace(bf16.config, query_rows=BLOCK))
     engine = Engine(padded, at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
-    options = {"tree": TreeConfig(budget=BLOCK)} if method == "tree" else {}  # a fixed tree within query_rows
     ar = engine.generate(PROMPTS, 24, ignore_eos=True)
-    assert engine.generate(PROMPTS, 24, ignore_eos=True, method=method, **options).tokens == ar.tokens
-    assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method=method, **options).tokens == ar.tokens[1:2]
+    batch = engine.generate(PROMPTS, 24, ignore_eos=True, method=method)  # an auto tree: BLOCK nodes every step
+    assert batch.tokens == ar.tokens
+    if method == "tree":
+        assert set(batch.stats["tree_bucket_counts"]) == {BLOCK}
+    assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method=method).tokens == ar.tokens[1:2]
+
+
+def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(target, drafter):
+    """With query_rows = W every bucket up to W runs the same W-row forward: an auto tree verifies
+    the largest such bucket every step, and a fixed tree larger than W is refused."""
+    import dataclasses
+
+    padded = dataclasses.replace(target, config=dataclasses.replace(target.config, query_rows=BLOCK))
+    engine = Engine(padded, drafter, latency_cache=False)
+    assert engine._trees_within_query_rows(TreeConfig()).buckets == (BLOCK,)
+    assert engine._trees_within_query_rows(TreeConfig(buckets=(1, 2, BLOCK + 1))).buckets == (2,)
+    assert engine._trees_within_query_rows(TreeConfig(budget=BLOCK)) == TreeConfig(budget=BLOCK)
+    with pytest.raises(SpecjaxError, match="query_rows"):
+        engine._trees_within_query_rows(TreeConfig(budget=BLOCK + 1))
+    plain = Engine(target, drafter, latency_cache=False)
+    assert plain._trees_within_query_rows(TreeConfig()) == TreeConfig()
 
 
 @pytest.mark.slow
