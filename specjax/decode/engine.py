@@ -138,9 +138,9 @@ class Engine:
         refused. An auto tree verifies its largest bucket up to W every step: every bucket runs the
         same W-row forward, so a smaller one saves only the work outside it, and choosing between
         them costs more than it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; BENCHMARKS.md,
-        "Trees under padded query rows"): a step of 2 to 16 nodes took 10-25% more than 1 node,
-        the 16-node tree committed 2.07 tokens a step against 1.37 for 2, and the auto tree choosing
-        among 1..16 ran at 1.06-1.36x AR against the fixed 16's 1.43-1.48x."""
+        "Trees under padded query rows"): a 16-node step took 17-22% more than a 1-node one and
+        committed 2.07 tokens against 1.37 for 2 nodes, and the auto tree choosing among 1..16
+        ran at 1.06-1.36x AR in six runs against the fixed 16's 1.43-1.48x."""
         rows = self.model.config.query_rows
         if rows is None:
             return tree
