@@ -5,9 +5,9 @@ commits about S(n) = sum of P(v) over the first n nodes in pop order (the root's
 bonus/correction token). The loop verifies one of a few compiled sizes (buckets), each filled with
 the next nodes in pop order, so the rule picks the bucket b with the most committed tokens per
 second, S(b) / T(b). Bastion's stop rule (add node v while P(v) * T(n) > S(n) * (C(n+1) - C(n)))
-is that choice made greedily, which is exact for a convex C; a measured C is often a step instead
-(bf16 rows padded to 16: 1 node 40 ms, 2 to 16 nodes 44-48 ms), and there the greedy rule stops at
-the first dear node and never sees the free ones behind it.
+is that choice made greedily, which is exact for a convex C; a measured C can be a step instead
+(one refitted on this CPU in bf16, rows padded to 16: 1 node 39 ms, 2 to 16 nodes 46 ms), and there
+the greedy rule stops at the first dear node and never sees the free ones behind it.
 
 C(n) is not a constant of the method: on a CPU verifying 64 tokens costs several decode steps,
 on a GPU about one. So it is measured on this machine for each (model, batch, cache length),

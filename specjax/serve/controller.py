@@ -15,8 +15,9 @@ Bastion's tree-size rule generalised from one sequence to a batch and to a choic
   a drift factor per (row bucket, attention length) refitted online from every measured call: a
   step that runs slower than its start-up time slows every policy's prediction at that shape.
 - Hysteresis: a challenger must be predicted `margin` faster at `patience` consecutive decisions
-  before the controller switches (`margin_to_fewer`, smaller, for one that speculates less), so a policy that stops paying is dropped within patience x
-  steps_per_sync steps, and noise near a tie never flips it (vLLM's threshold thrash).
+  before the controller switches (`margin_to_fewer`, smaller, for one that speculates less), so a
+  policy that stops paying is dropped within patience x steps_per_sync steps, and noise near a
+  tie never flips it (vLLM's threshold thrash).
 - Policies not run lately are probed for one call every `probe_every` calls, so estimates of a
   policy that became good again are not stuck at old values.
 - Memory: bytes in use and their growth give a projected time to the KV budget; crossing the high
