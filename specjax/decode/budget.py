@@ -89,7 +89,7 @@ def interleaved_min_seconds(repeats: int, fns: dict) -> dict:
 
 def monotone_costs(seconds) -> list[float]:
     """The closest non-decreasing curve (least squares, scipy's isotonic regression): verifying
-    more nodes never costs less, so a dip is noise, and the stop rule would read it as a free node."""
+    more nodes never costs less, so a dip is noise, and the size rule would read it as a free node."""
     from scipy.optimize import isotonic_regression
 
     return [float(x) for x in isotonic_regression(np.asarray(seconds, float), increasing=True).x]

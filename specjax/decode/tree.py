@@ -371,7 +371,7 @@ def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, pro
                   refine: RefineConfig = RefineConfig()) -> TreeOutput:
     """Speculative generation with draft trees, one jitted while_loop.
 
-    costs: the latency model (decode/budget.py) the stop rule uses when tree.auto; a dynamic
+    costs: the latency model (decode/budget.py) the size rule uses when tree.auto; a dynamic
     argument, so refitting it does not recompile. cache_length must hold prompt + max_new_tokens +
     max(block, largest bucket) slots. With refiner_params/refiner_config the tree is built from the
     refined marginals.
