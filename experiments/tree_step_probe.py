@@ -3,7 +3,9 @@ alone (the latency model the budget rule reads). SmolLM2 with the committed draf
 held-out chat prompts, every variant side by side in one run (decode.bench.run_variants):
 
 - trees of a fixed 1, 2, 4, 8 and 16 nodes (one compiled bucket each, so no `lax.switch`);
-- the auto tree over the buckets 1..16, whose steps pick a bucket through `lax.switch`;
+- the auto tree over the buckets 1..16, whose steps pick a bucket through `lax.switch` (under
+  padded query rows, bf16's default, an auto tree now keeps only its largest bucket within them,
+  `TreeConfig.within_query_rows`, so there this row measures the tree `--method tree` runs);
 - ar and chain as baselines.
 
 Per-step milliseconds are wall seconds over verify steps (prefill included, as every variant pays

@@ -140,10 +140,13 @@ def test_greedy_speculation_equals_autoregressive_with_padded_steps(target, draf
     assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method=method).tokens == ar.tokens[1:2]
 
 
-def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(target, drafter):
+def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(target, drafter, tmp_path):
     """With query_rows = W every bucket up to W runs the same W-row forward: an auto tree verifies
-    the largest such bucket every step, and a fixed tree larger than W is refused."""
+    the largest such bucket every step, and a fixed tree larger than W is refused. A server
+    compiles the same buckets as generate."""
     import dataclasses
+
+    from specjax.serve.scheduler import Scheduler, ServeConfig
 
     padded = dataclasses.replace(target, config=dataclasses.replace(target.config, query_rows=BLOCK))
     engine = Engine(padded, drafter, latency_cache=False)
@@ -154,6 +157,12 @@ def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(targ
         engine._trees_within_query_rows(TreeConfig(budget=BLOCK + 1))
     plain = Engine(target, drafter, latency_cache=False)
     assert plain._trees_within_query_rows(TreeConfig()) == TreeConfig()
+    server = Scheduler(padded, drafter, ServeConfig(method="tree", slots=2, context_length=256, max_new_tokens=8,
+                                                    prompt_bucket=16), compile_now=False, latency_cache=tmp_path)
+    try:
+        assert server.statics.tree_buckets == (BLOCK,)
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow

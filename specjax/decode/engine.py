@@ -133,24 +133,7 @@ class Engine:
         return self.model.config.with_kv_rings(shape.step_tokens)
 
     def _trees_within_query_rows(self, tree: TreeConfig) -> TreeConfig:
-        """With query_rows = W, a verify pass is exact by construction only at W rows or fewer
-        (padded to W); larger ones would have shapes no AR step has, so a fixed tree larger than W is
-        refused. An auto tree verifies its largest bucket up to W every step: every bucket runs the
-        same W-row forward, so a smaller one saves only the work outside it, and choosing between
-        them costs more than it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; BENCHMARKS.md,
-        "Trees under padded query rows"): a 16-node step took 17-22% more than a 1-node one and
-        committed 2.07 tokens against 1.37 for 2 nodes, and the auto tree choosing among 1..16
-        ran at 1.06-1.36x AR in six runs against the fixed 16's 1.43-1.48x."""
-        rows = self.model.config.query_rows
-        if rows is None:
-            return tree
-        sizes = tree.node_buckets(self.drafter.config.block_size - 1)
-        if not tree.auto:
-            if sizes[-1] > rows:
-                raise SpecjaxError(f"a {sizes[-1]}-node tree verifies more rows than the target's query_rows ({rows}); "
-                                   f"use a tree of at most {rows} nodes or raise --query-rows")
-            return tree
-        return dataclasses.replace(tree, buckets=(max([b for b in sizes if b <= rows], default=rows),))
+        return tree.within_query_rows(self.drafter.config.block_size - 1, self.model.config.query_rows)
 
     def validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         cfg = self.model.config

@@ -99,6 +99,26 @@ class TreeConfig:
         """Whether the budget rule picks the size each step."""
         return self.shape == "best-first" and self.budget is None
 
+    def within_query_rows(self, num_draft: int, query_rows: int | None) -> "TreeConfig":
+        """This config for a target whose decode-time forwards are padded to query_rows = W rows.
+        A verify pass is exact by construction only at W rows or fewer (padded to W); larger ones
+        would have shapes no AR step has, so a fixed tree larger than W is refused. An auto tree
+        verifies its largest bucket up to W every step: every bucket runs the same W-row forward,
+        so a smaller one saves only the work outside it, and choosing between them costs more than
+        it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; BENCHMARKS.md, "Trees under
+        padded query rows"): a 16-node step took 17-22% more than a 1-node one and committed 2.07
+        tokens against 1.37 for 2 nodes, and the auto tree choosing among 1..16 ran at 1.06-1.36x
+        AR in six runs against the fixed 16's 1.43-1.48x."""
+        if query_rows is None:
+            return self
+        sizes = self.node_buckets(num_draft)
+        if not self.auto:
+            if sizes[-1] > query_rows:
+                raise SpecjaxError(f"a {sizes[-1]}-node tree verifies more rows than the target's query_rows "
+                                   f"({query_rows}); use a tree of at most {query_rows} nodes or raise --query-rows")
+            return self
+        return dataclasses.replace(self, buckets=(max([b for b in sizes if b <= query_rows], default=query_rows),))
+
 
 @struct.dataclass
 class DraftTree:

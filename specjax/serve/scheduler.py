@@ -392,7 +392,8 @@ class Scheduler:
             target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
             drafter_config=None if drafter is None else drafter.config,
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
-            tree=config.tree if needs("needs_tree") else None,
+            tree=(None if not needs("needs_tree") else config.tree if drafter is None
+                  else config.tree.within_query_rows(drafter.config.block_size - 1, model.config.query_rows)),
             rapid=config.rapid if "rapid" in self.policies else None,
             drafting_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
             drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
