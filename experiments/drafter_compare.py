@@ -4,7 +4,7 @@
         [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json] \
         [--dtype float32|bfloat16] [--methods chain,tree] [--speed-baselines]
 
-Greedy, batch 1, SmolLM2 at `--dtype` (bf16 with its steps padded to 16 query rows, the exactness
+Greedy, batch 1, SmolLM2 at `--dtype` (bf16 with its steps padded to 8 query rows, the exactness
 reference). The AR variant at that precision is the baseline for output identity; each drafter
 runs each of `--methods` ("chain <label>", "tree <label>"). `--speed-baselines` adds AR at the
 other settings this machine has (float32 one row, bf16 one row) and prints every method's speedup

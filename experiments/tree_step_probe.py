@@ -2,15 +2,16 @@
 alone (the latency model the budget rule reads). SmolLM2 with the committed drafter, batch 1, the
 held-out chat prompts, every variant side by side in one run (decode.bench.run_variants):
 
-- trees of a fixed 1, 2, 4, 8 and 16 nodes (one compiled bucket each, so no `lax.switch`);
-- the auto tree over the buckets 1..16, whose steps pick a bucket through `lax.switch` (under
+- trees of a fixed 1, 2, 4 and 8 nodes (one compiled bucket each, so no `lax.switch`);
+- the auto tree over those buckets, whose steps pick a bucket through `lax.switch` (under
   padded query rows, bf16's default, an auto tree now keeps only its largest bucket within them,
   `TreeConfig.within_query_rows`, so there this row measures the tree `--method tree` runs);
 - ar and chain as baselines.
 
 Per-step milliseconds are wall seconds over verify steps (prefill included, as every variant pays
-it alike). With --dtype bfloat16 every forward is padded to 16 query rows, so a verify pass of 1 to
-16 nodes runs the same shapes: a cost that grows with the size is outside the target's forward.
+it alike). With --dtype bfloat16 every forward is padded to 8 query rows (registry.PADDED_QUERY_ROWS;
+16 before 2026-12-06), so a verify pass of 1 to 8 nodes runs the same shapes: a cost that grows
+with the size is outside the target's forward. A fixed tree larger than the padded rows is refused.
 
     python experiments/tree_step_probe.py --dtype bfloat16 [--prompts 6] [--max-new-tokens 64]
 """
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--sizes", default="1,2,4,8,16", help="fixed tree sizes; also the auto tree's buckets")
+    parser.add_argument("--sizes", default="1,2,4,8", help="fixed tree sizes; also the auto tree's buckets")
     parser.add_argument("--json", help="where to write the report")
     args = parser.parse_args()
 

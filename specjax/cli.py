@@ -71,14 +71,17 @@ _METHOD_OPTIONS = {
 def _check_decode_args(args, methods: list[str]) -> None:
     """Everything about generate/bench arguments that can be checked before a model is loaded."""
     from specjax.decode.engine import METHODS
+    from specjax.decode.slots import slot_method
     from specjax.io.registry import context_length_without_loading
 
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise SpecjaxError(f"unknown method {unknown[0] if unknown else ''!r}; available: {', '.join(METHODS)}")
+    if not methods:
+        raise SpecjaxError(f"unknown method ''; available: {', '.join(METHODS)}")
+    for m in methods:
+        slot_method(m)  # a registry name or a block method with a draft limit (chain:K); refuses the rest
+    bases = [m.partition(":")[0] for m in methods]  # chain:K takes chain's options
     defaults = args.parser
     for options, users in _METHOD_OPTIONS.values():
-        if any(m in users for m in methods):
+        if any(m in users for m in bases):
             continue
         for dest in options:
             if hasattr(args, dest) and getattr(args, dest) != defaults.get_default(dest):
@@ -97,7 +100,7 @@ def _check_decode_args(args, methods: list[str]) -> None:
                            f"{args.model}'s context of {context} tokens")
     _refine_config(args)
     _tree_config(args)
-    retrieving = [m for m in methods if m in _METHOD_OPTIONS["retrieval"][1]]
+    retrieving = [m for m, base in zip(methods, bases) if base in _METHOD_OPTIONS["retrieval"][1]]
     # generate and bench read the document from --context-file; a server's requests carry theirs.
     if retrieving and hasattr(args, "context_file") and not args.context_file:
         raise SpecjaxError(f"{retrieving[0]} drafts from passages retrieved from a long context: give "
@@ -876,8 +879,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", help="one prompt per line (.txt), a JSON list of strings (.json) or {\"prompt\":...} lines (.jsonl)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--method", default="ar",
-                     help="decoding method: ar, or speculative chain, chain+refiner, tree, tree+refiner, or rapid "
-                          "and rapid+block (the target or the drafter drafts from passages of --context-file)")
+                     help="decoding method: ar, or speculative chain, chain:K (K drafts verified), chain+refiner, "
+                          "tree, tree+refiner, or rapid and rapid+block (the target or the drafter drafts from "
+                          "passages of --context-file)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")

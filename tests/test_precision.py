@@ -13,7 +13,7 @@ import pytest
 from specjax.decode.engine import Engine
 from specjax.decode.tree import TreeConfig
 from specjax.errors import SpecjaxError
-from specjax.io.registry import LoadedModel, at_compute_dtype
+from specjax.io.registry import PADDED_QUERY_ROWS, LoadedModel, at_compute_dtype
 from specjax.models.cache import KVCache, read_cache
 from specjax.models.layers import MIN_DOT_ROWS, accumulate_in_float32
 from specjax.models.transformer import forward
@@ -165,6 +165,59 @@ def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(targ
         server.shutdown()
 
 
+def test_block_methods_verify_within_the_query_rows():
+    """A target padded to W rows verifies at most W: a block larger than W gives a chain its first
+    W - 1 drafts; a draft limit that needs more rows is refused; trees and AR keep their names."""
+    from specjax.decode.slots import method_within_query_rows
+
+    assert method_within_query_rows("chain", 16, None) == "chain"
+    assert method_within_query_rows("chain", 16, 16) == "chain"
+    assert method_within_query_rows("chain", 16, 8) == "chain:7"
+    assert method_within_query_rows("chain+refiner", 16, 8) == "chain+refiner:7"
+    assert method_within_query_rows("rapid+block", 16, 4) == "rapid+block:3"
+    assert method_within_query_rows("chain:3", 16, 8) == "chain:3"
+    assert method_within_query_rows("chain:20", 8, None) == "chain:20"  # no padding: the block check is elsewhere
+    for name in ("tree", "ar", "rapid"):
+        assert method_within_query_rows(name, 16, 8) == name
+    with pytest.raises(SpecjaxError, match="query_rows"):
+        method_within_query_rows("chain:9", 16, 8)
+    with pytest.raises(SpecjaxError, match="unknown method"):
+        method_within_query_rows("chain:x", 16, 8)
+
+
+def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(target, drafter, tmp_path):
+    """query_rows W smaller than the drafter's block: a chain verifies W - 1 drafts a step (reported as
+    chain:K), its greedy output is AR's at the same W for a batch and a single row, an explicit longer
+    chain and multi-pass drafting (which verifies the whole block) are refused, and a server runs the
+    same fitted chain, for a request naming "chain" too."""
+    import dataclasses
+
+    from specjax.serve.scheduler import Request, Scheduler, ServeConfig
+
+    width = BLOCK - 2
+    bf16 = at_compute_dtype(target, "bfloat16")
+    padded = dataclasses.replace(bf16, config=dataclasses.replace(bf16.config, query_rows=width))
+    engine = Engine(padded, at_compute_dtype(drafter, "bfloat16"), latency_cache=False)
+    ar = engine.generate(PROMPTS, 24, ignore_eos=True)
+    chain = engine.generate(PROMPTS, 24, ignore_eos=True, method="chain")
+    assert chain.tokens == ar.tokens
+    assert chain.stats["method"] == f"chain:{width - 1}"
+    assert not any(chain.stats["accepted_length_histogram"][width:])  # never more than W - 1 drafts accepted
+    assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method="chain").tokens == ar.tokens[1:2]
+    with pytest.raises(SpecjaxError, match="query_rows"):
+        engine.generate(PROMPTS, 8, method=f"chain:{width}")
+    with pytest.raises(SpecjaxError, match="denoise_steps"):
+        engine.generate(PROMPTS, 8, method="chain", denoise_steps=2)
+    server = Scheduler(padded, at_compute_dtype(drafter, "bfloat16"),
+                       ServeConfig(method="chain", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16),
+                       compile_now=False, latency_cache=tmp_path)
+    try:
+        assert server.policies == (f"chain:{width - 1}",)
+        assert server._row_limit(Request(prompt=(1, 2), max_tokens=4, method="chain")) == width - 1
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.slow
 def test_greedy_chain_stops_at_eos_in_bf16(target, drafter):
     bf16 = at_compute_dtype(target, "bfloat16")
@@ -196,12 +249,12 @@ def test_dtype_flag_sets_the_compute_precision(tiny_folder_with_drafter, capsys)
     assert runs["bfloat16", "chain"]["tokens"] == runs["bfloat16", "ar"]["tokens"]
     # --query-rows auto pads bf16 steps (and not float32 ones); 0 turns it off; nonsense is refused.
     assert runs["bfloat16", "chain"]["stats"]["precision"] == {"dtype": "bfloat16", "kv_dtype": "bfloat16",
-                                                               "query_rows": 16}
+                                                               "query_rows": PADDED_QUERY_ROWS}
     assert runs["float32", "ar"]["stats"]["precision"]["query_rows"] is None
     assert main(base + ["--dtype", "bfloat16", "--query-rows", "0"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["precision"]["query_rows"] is None
     assert main(base[:-1] + ["--dtype", "bfloat16"]) == 0  # the readable summary names the precision
-    assert "precision: bfloat16 compute, bfloat16 KV cache, every forward padded to 16 query rows" in \
+    assert f"precision: bfloat16 compute, bfloat16 KV cache, every forward padded to {PADDED_QUERY_ROWS} query rows" in \
         capsys.readouterr().err
     assert main(base + ["--query-rows", "many"]) == 2
     assert "--query-rows takes auto or a number" in capsys.readouterr().err

@@ -154,6 +154,7 @@ def format_table(report: dict) -> str:
         lines.append(f"(one long-context request: {describe_long_context(report['long_context'])})")
     if "precision" in report:
         p = report["precision"]
-        rows = f", every forward padded to {p['query_rows']} query rows" if p["query_rows"] else ""
+        rows = (f", every forward padded to {p['query_rows']} query rows, so a step verifies at most "
+                f"{p['query_rows']}" if p["query_rows"] else "")
         lines.append(f"(computed in {p['dtype']}, KV cache in {p['kv_dtype']}{rows})")
     return "\n".join(lines)

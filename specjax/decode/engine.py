@@ -182,9 +182,7 @@ class Engine:
         """
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
-        if method not in SLOT_METHODS:
-            raise SpecjaxError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-        spec = SLOT_METHODS[method]
+        spec = slot_api.slot_method(method)  # a registry name, or a block method with a draft limit
         if spec.needs_drafter and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
         if spec.needs_refiner and self.refiner is None:
@@ -200,6 +198,17 @@ class Engine:
             raise SpecjaxError("streamed speculative decoding drafts in one drafter pass; use denoise_steps=1")
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
+        query_rows = self.model.config.query_rows
+        if spec.needs_drafter:
+            if spec.drafts is not None and spec.drafts > self.drafter.config.block_size - 1:
+                raise SpecjaxError(f"method {method!r} verifies {spec.drafts} drafts; the drafter's block holds "
+                                   f"{self.drafter.config.block_size - 1}")
+            method = slot_api.method_within_query_rows(method, self.drafter.config.block_size, query_rows)
+            if denoise_steps > 1 and query_rows is not None and query_rows < self.drafter.config.block_size:
+                raise SpecjaxError(f"denoise_steps > 1 verifies the whole block of {self.drafter.config.block_size} "
+                                   f"rows, more than the target's query_rows ({query_rows}); use denoise_steps=1")
+        if spec.needs_retrieval and not spec.needs_drafter and query_rows is not None and rapid.drafts + 1 > query_rows:
+            rapid = dataclasses.replace(rapid, drafts=query_rows - 1)  # as a chain keeps to W rows (stats: rapid_drafts)
         if spec.needs_retrieval:
             if drafting_prompts is None or len(drafting_prompts) != len(prompts):
                 raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
@@ -333,7 +342,7 @@ class Engine:
         other runs every step in one call (`run_to_end`)."""
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
-        uses_drafter = SLOT_METHODS[shape.method].needs_drafter
+        uses_drafter = slot_api.slot_method(shape.method).needs_drafter
         speculative = uses_drafter or shape.rapid is not None
         on_retrieval = uses_drafter and shape.drafting_length > 0  # rapid+block
         statics = slot_api.SlotStatics(

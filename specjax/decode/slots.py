@@ -737,18 +737,41 @@ SLOT_METHODS: dict[str, SlotMethod] = {
 }
 
 
+BLOCK_METHODS = ("chain", "chain+refiner", "rapid+block")
+"""Methods that verify a drafter's block, and so take a draft limit: "chain:K" verifies K drafts."""
+
+
 def slot_method(name: str) -> SlotMethod:
-    """A method of SLOT_METHODS, or a chain verifying fewer drafts than its block: "chain:K" or
-    "chain+refiner:K" (K >= 1), the draft-length tiers an adaptive server switches between."""
+    """A method of SLOT_METHODS, or a block method verifying fewer drafts than its block: "chain:K",
+    "chain+refiner:K" or "rapid+block:K" (K >= 1), the draft-length tiers an adaptive server
+    switches between and what a target padded to fewer query rows than the block verifies."""
     if name in SLOT_METHODS:
         return SLOT_METHODS[name]
     base, sep, drafts = name.partition(":")
-    if sep and base in ("chain", "chain+refiner") and drafts.isdigit() and int(drafts) >= 1:
+    if sep and base in BLOCK_METHODS and drafts.isdigit() and int(drafts) >= 1:
         chain = SLOT_METHODS[base]
         return dataclasses.replace(chain, name=name, one_step=partial(chain.one_step, drafts=int(drafts)),
                                    drafts=int(drafts))
-    raise SpecjaxError(f"unknown method {name!r}; serving methods: {', '.join(SLOT_METHODS)}, or chain:K and "
-                       f"chain+refiner:K for a chain verifying K drafts")
+    raise SpecjaxError(f"unknown method {name!r}; methods: {', '.join(SLOT_METHODS)}, or "
+                       f"{', '.join(b + ':K' for b in BLOCK_METHODS)} for a block method verifying K drafts")
+
+
+def method_within_query_rows(name: str, block: int, query_rows: int | None) -> str:
+    """The method a target padded to query_rows = W rows runs for `name`, verifying at most W rows.
+    A verify pass is the same computation as W-row AR steps only when it has their W rows, so a
+    block method whose block is larger than W verifies its first W - 1 drafts ("chain" -> "chain:3"
+    at W = 4); one that names more drafts than that is refused. Trees are fitted by
+    TreeConfig.within_query_rows; rapid by its RapidConfig.drafts (checked by the caller)."""
+    method = slot_method(name)
+    if query_rows is None or method.name.partition(":")[0] not in BLOCK_METHODS:
+        return method.name
+    drafts = block - 1 if method.drafts is None else min(method.drafts, block - 1)
+    if drafts + 1 <= query_rows:
+        return method.name
+    if method.drafts is not None:
+        raise SpecjaxError(f"method {name!r} verifies {drafts + 1} rows, more than the target's query_rows "
+                           f"({query_rows}); use at most {query_rows - 1} drafts or raise --query-rows")
+    return f"{method.name}:{query_rows - 1}"
 
 
 def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None) -> SlotMethod:

@@ -108,7 +108,8 @@ class TreeConfig:
         it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; BENCHMARKS.md, "Trees under
         padded query rows"): a 16-node step took 17-22% more than a 1-node one and committed 2.07
         tokens against 1.37 for 2 nodes, and the auto tree choosing among 1..16 ran at 1.06-1.36x
-        AR in six runs against the fixed 16's 1.43-1.48x."""
+        AR in six runs against the fixed 16's 1.43-1.48x. Chains are fitted the same way by
+        slots.method_within_query_rows."""
         if query_rows is None:
             return self
         sizes = self.node_buckets(num_draft)

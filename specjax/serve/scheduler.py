@@ -357,6 +357,10 @@ class Scheduler:
                 self.policies = config.controller.policy_set(drafter.config.block_size)
         else:
             self.policies = (config.method,)
+        if drafter is not None:  # under padded query rows a chain verifies at most that many rows
+            self.policies = tuple(dict.fromkeys(
+                slot_api.method_within_query_rows(p, drafter.config.block_size, model.config.query_rows)
+                for p in self.policies))
         methods = [slot_api.slot_method(p) for p in self.policies]
         needs = lambda what: any(getattr(m, what) for m in methods)  # noqa: E731
         for m in methods:
@@ -394,7 +398,7 @@ class Scheduler:
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
             tree=(None if not needs("needs_tree") else config.tree if drafter is None
                   else config.tree.within_query_rows(drafter.config.block_size - 1, model.config.query_rows)),
-            rapid=config.rapid if "rapid" in self.policies else None,
+            rapid=self._rapid_within_query_rows(config.rapid, model.config.query_rows) if "rapid" in self.policies else None,
             drafting_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
             drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
@@ -737,10 +741,24 @@ class Scheduler:
             raise SpecjaxError("a stop string is empty")
         self._row_limit(request)  # refuses a method this server cannot run
 
+    @staticmethod
+    def _rapid_within_query_rows(rapid, query_rows: int | None):
+        """rapid drafts at most query_rows - 1 tokens a step, as a chain does (Engine.generate)."""
+        if query_rows is None or rapid.drafts + 1 <= query_rows:
+            return rapid
+        return dataclasses.replace(rapid, drafts=query_rows - 1)
+
+    def _served_name(self, method: str | None) -> str | None:
+        """A request's method as this server runs it: "chain" is "chain:7" on a target padded to 8
+        query rows (slots.method_within_query_rows)."""
+        if method is None or self.drafter is None or method == "ar":
+            return method
+        return slot_api.method_within_query_rows(method, self.statics.block, self.model.config.query_rows)
+
     def _row_limit(self, request: Request) -> int:
         """The request's draft limit: 0 without speculation, K for a "chain:K" override, else none."""
         no_limit = self.statics.block - 1
-        method = request.method
+        method = self._served_name(request.method)
         if method is not None:
             allowed = set(self.policies) | {"ar"}
             for chain in {p.split(":")[0] for p in self.policies if p.startswith("chain")}:
@@ -757,7 +775,7 @@ class Scheduler:
         """The batch policy a request's override pins on an adaptive server: the method itself, or for
         "chain:K" the shortest compiled chain verifying at least K drafts (the row is limited to K).
         "ar" pins nothing: the row's limit of 0 makes it AR inside any step."""
-        method = request.method
+        method = self._served_name(request.method)
         if not self.adaptive or method is None or method == "ar":
             return None
         if method in self.policies:
