@@ -497,7 +497,7 @@ def cmd_serve(args) -> int:
     served = (policies or ("ar", "chain")) if args.method == "adaptive" else (args.method,)
     methods = sorted({p.split(":")[0] for p in served})  # chain:K tiers need what chain needs
     _check_decode_args(args, methods)
-    model = _load_target(args)
+    model = _load_target(args, served=True)
     parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)
     controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
                                   else int(args.kv_budget_mib * 2**20))
@@ -807,23 +807,24 @@ def _mesh(args):
 def _add_dtype_option(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="compute precision of the target and drafter: bf16 inputs to every dot with "
-                             "float32 accumulation, or float32; auto = float32 for now (see BENCHMARKS.md); "
-                             "bfloat16 pads steps to --query-rows so speculation stays exact")
+                             "float32 accumulation, or float32; auto = bfloat16 on a CPU with bf16 dot "
+                             "instructions (AVX512_BF16 or AMX), else float32, and float32 for serve (see "
+                             "README); bfloat16 pads steps to --query-rows so speculation stays exact")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="storage precision of the target's KV cache; auto = the compute precision. "
                              "bfloat16 under float32 compute halves the cache and stays exact against AR "
                              "with the same setting")
     parser.add_argument("--query-rows", default="auto", metavar="auto|N|0",
                         help="pad every decode step and verify pass to N query rows, so AR and speculation "
-                             "compute bitwise the same numbers; auto = 16 under bfloat16 compute (where a "
+                             "compute bitwise the same numbers; auto = 8 under bfloat16 compute (where a "
                              "single-row step rounds differently), off under float32; 0 = off")
 
 
-def _load_target(args, name: str | None = None):
-    """The target at the precision --dtype, --kv-dtype and --query-rows ask for."""
+def _load_target(args, name: str | None = None, served: bool = False):
+    """The target at the precision --dtype, --kv-dtype and --query-rows ask for (served: a server's)."""
     from specjax.io.registry import compute_dtype, load_model, with_kv_dtype, with_query_rows
 
-    model = with_kv_dtype(load_model(name or args.model, compute_dtype(args.dtype)), args.kv_dtype)
+    model = with_kv_dtype(load_model(name or args.model, compute_dtype(args.dtype, served)), args.kv_dtype)
     return with_query_rows(model, args.query_rows)
 
 

@@ -165,6 +165,23 @@ def test_padded_query_rows_give_auto_trees_their_largest_bucket_within_them(targ
         server.shutdown()
 
 
+def test_auto_precision_is_bf16_only_on_cpus_with_bf16_dot_instructions(monkeypatch):
+    """--dtype auto: bf16 on a CPU whose flags name AVX512_BF16 or AMX-BF16, float32 on one without
+    (an AVX2 core) and, for now, on GPU and TPU; an unreadable /proc/cpuinfo counts as without."""
+    from specjax.io import registry
+
+    xeon = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    epyc = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\nbugs\t\t: avx512_bf16_lookalike\n"
+    assert registry.native_bf16_cpu(xeon)
+    assert not registry.native_bf16_cpu(epyc)  # only the flags line counts
+    assert not registry.native_bf16_cpu("")
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(registry, "native_bf16_cpu", lambda native=native: native)
+        assert registry.auto_compute_dtype("cpu") == expected
+        assert registry.auto_compute_dtype("gpu") == "float32"
+    assert registry.compute_dtype("float32") == "float32"
+
+
 def test_block_methods_verify_within_the_query_rows():
     """A target padded to W rows verifies at most W: a block larger than W gives a chain its first
     W - 1 drafts; a draft limit that needs more rows is refused; trees and AR keep their names."""

@@ -222,18 +222,47 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 AUTO_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "float32", "tpu": "float32"}
-"""`--dtype auto` per backend. float32 everywhere for now. bf16 verifies 16 tokens for 1.3x a
-float32 decode step on an AVX2 CPU (float32: 2.0x; experiments/verify_cost_curve.py), and with
-steps padded to 16 query rows (`with_query_rows`) its speculative output equals bf16 AR on SmolLM2
-(experiments/precision_consistency.py). But a padded bf16 AR step is slower than a float32 one, so
-bf16 pays only for speculative methods, measured against float32 AR; choosing the precision per
-method is still to do, so bf16 stays opt-in (`--dtype bfloat16`)."""
+"""`--dtype auto` per backend where nothing better is measured: float32. A CPU whose cores have bf16
+dot instructions is the exception (auto_compute_dtype)."""
+
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+"""/proc/cpuinfo flags of x86 cores with bf16 dot instructions. On such a Xeon (AVX512_BF16 and AMX)
+bf16 with float32 accumulation is the fastest precision for speculation: bf16 trees padded to 8 query
+rows for exactness ran 1.10x the fastest AR of either precision (float32 in that run) and 1.29x
+one-row bf16 AR in another run, where float32 chains and trees ran 0.93-0.96x float32 AR
+(BENCHMARKS.md, "Fewer padded query rows"). AR alone is about even between the two (one-row bf16
+0.89x and 1.15x float32 in two runs). On an AVX2 EPYC, without such instructions, an
+8-row bf16 forward took 1.13x a one-row float32 one (BENCHMARKS.md, "The verify-cost curve"), so
+float32 stays the default there."""
 
 
-def compute_dtype(choice: str) -> str:
-    """`--dtype`: auto, float32 or bfloat16 -> the dtype to compute in."""
+def native_bf16_cpu(cpuinfo: str | None = None) -> bool:
+    """Whether this machine's CPU has bf16 dot instructions (Linux: the flags of /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return not NATIVE_BF16_CPU_FLAGS.isdisjoint(flags)
+
+
+def auto_compute_dtype(backend: str | None = None) -> str:
+    """What `--dtype auto` computes in on `backend` (default: jax's): bf16 on a CPU with bf16 dot
+    instructions, else AUTO_COMPUTE_DTYPE."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and native_bf16_cpu():
+        return "bfloat16"
+    return AUTO_COMPUTE_DTYPE.get(backend, "float32")
+
+
+def compute_dtype(choice: str, served: bool = False) -> str:
+    """`--dtype`: auto, float32 or bfloat16 -> the dtype to compute in. served: for a server, whose
+    auto stays float32: in bf16 a served row's rounding depends on the rows sharing its step (a
+    greedy request matched the same prompt decoded alone on 9 of 12 held-out prompts; float32: 12
+    of 12; BENCHMARKS.md, "32 slots in bf16"), so bf16 serving is opt-in."""
     if choice == "auto":
-        return AUTO_COMPUTE_DTYPE.get(jax.default_backend(), "float32")
+        return "float32" if served else auto_compute_dtype()
     return choice
 
 
