@@ -4,7 +4,7 @@
 
 bf16 speculative output equals bf16 AR by construction when every decode-time forward runs the same
 W query rows (TransformerConfig.query_rows): a 1-token step and a W-token verify pass then share all
-shapes. W = 16, one verify block, costs an AR step about 1.33x an unpadded one here. A smaller W
+shapes. W = 16 (the v3 drafter's block) costs an AR step about 1.33x an unpadded one here. A smaller W
 costs AR less, but verify passes larger than W have shapes no AR step has. This probe measures both
 sides on SmolLM2 with the committed drafter, batch 1, held-out chat prompts, all side by side:
 

@@ -200,6 +200,11 @@ def test_block_methods_verify_within_the_query_rows():
         method_within_query_rows("chain:9", 16, 8)
     with pytest.raises(SpecjaxError, match="unknown method"):
         method_within_query_rows("chain:x", 16, 8)
+    from specjax.decode.rapid import RapidConfig  # rapid's own drafts are fitted the same way
+
+    assert RapidConfig(drafts=10).within_query_rows(8) == RapidConfig(drafts=7)
+    assert RapidConfig(drafts=4, eta=0.5).within_query_rows(8) == RapidConfig(drafts=4, eta=0.5)
+    assert RapidConfig(drafts=10).within_query_rows(None) == RapidConfig(drafts=10)
 
 
 def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(target, drafter, tmp_path):
@@ -231,6 +236,20 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
     try:
         assert server.policies == (f"chain:{width - 1}",)
         assert server._row_limit(Request(prompt=(1, 2), max_tokens=4, method="chain")) == width - 1
+    finally:
+        server.shutdown()
+    # An adaptive server's default set: under padded rows a shorter chain costs the longest one's
+    # step and accepts no more, so only ar and the longest chain within the rows are compiled.
+    from specjax.serve.controller import ControllerConfig
+
+    assert ControllerConfig().policy_set(16) == ("ar", "chain:3", "chain:7", "chain")
+    assert ControllerConfig().policy_set(16, query_rows=8) == ("ar", "chain")
+    assert ControllerConfig(policies=("ar", "chain:3")).policy_set(16, query_rows=8) == ("ar", "chain:3")
+    server = Scheduler(padded, at_compute_dtype(drafter, "bfloat16"),
+                       ServeConfig(method="adaptive", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16),
+                       compile_now=False, latency_cache=tmp_path)
+    try:
+        assert server.policies == ("ar", f"chain:{width - 1}")
     finally:
         server.shutdown()
 

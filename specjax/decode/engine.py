@@ -207,8 +207,8 @@ class Engine:
             if denoise_steps > 1 and query_rows is not None and query_rows < self.drafter.config.block_size:
                 raise SpecjaxError(f"denoise_steps > 1 verifies the whole block of {self.drafter.config.block_size} "
                                    f"rows, more than the target's query_rows ({query_rows}); use denoise_steps=1")
-        if spec.needs_retrieval and not spec.needs_drafter and query_rows is not None and rapid.drafts + 1 > query_rows:
-            rapid = dataclasses.replace(rapid, drafts=query_rows - 1)  # as a chain keeps to W rows (stats: rapid_drafts)
+        if spec.needs_retrieval and not spec.needs_drafter:
+            rapid = rapid.within_query_rows(query_rows)  # stats report the drafts it ran (rapid_drafts)
         if spec.needs_retrieval:
             if drafting_prompts is None or len(drafting_prompts) != len(prompts):
                 raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "

@@ -48,6 +48,13 @@ class RapidConfig:
         if not self.eta >= 0:
             raise SpecjaxError(f"eta must be >= 0, got {self.eta}")
 
+    def within_query_rows(self, query_rows: int | None) -> "RapidConfig":
+        """This config for a target padded to query_rows = W rows: at most W - 1 drafts a step, so a
+        verify pass has the AR steps' W rows (as a chain keeps to chain:W-1, slots.method_within_query_rows)."""
+        if query_rows is None or self.drafts + 1 <= query_rows:
+            return self
+        return dataclasses.replace(self, drafts=query_rows - 1)
+
     @property
     def lossy(self) -> bool:
         return self.eta > 0

@@ -92,11 +92,16 @@ class ControllerConfig:
         if self.kv_budget_bytes is not None:
             check_at_least(1, kv_budget_bytes=self.kv_budget_bytes)
 
-    def policy_set(self, block: int, has_tree: bool = False) -> tuple[str, ...]:
-        """The policies to compile for a drafter of this block (trees only when asked for)."""
+    def policy_set(self, block: int, has_tree: bool = False, query_rows: int | None = None) -> tuple[str, ...]:
+        """The policies to compile for a drafter of this block (trees only when asked for).
+        query_rows: a target padded to that many rows runs every step at them, so a shorter chain
+        costs what the longest chain within them costs and accepts no more: the default set then
+        keeps only ar and that chain. Measured on a bf16 server padded to 8 rows with the block-8
+        drafter (BENCHMARKS.md, "Adaptive serving on padded bf16"): chain:3 took 1,584 of 3,428
+        adaptive steps while chain was the best fixed policy at three of four loads."""
         if self.policies is not None:
             return tuple(dict.fromkeys(self.policies))
-        tiers = tuple(f"chain:{k}" for k in (3, 7) if k < block - 1)
+        tiers = () if query_rows is not None else tuple(f"chain:{k}" for k in (3, 7) if k < block - 1)
         return ("ar",) + tiers + ("chain",) + (("tree",) if has_tree else ())
 
 

@@ -354,7 +354,8 @@ class Scheduler:
                 log.warning("adaptive serving without a drafter: the only policy is ar")
                 self.policies = ("ar",)
             else:
-                self.policies = config.controller.policy_set(drafter.config.block_size)
+                self.policies = config.controller.policy_set(drafter.config.block_size,
+                                                             query_rows=model.config.query_rows)
         else:
             self.policies = (config.method,)
         if drafter is not None:  # under padded query rows a chain verifies at most that many rows
@@ -398,7 +399,7 @@ class Scheduler:
             refiner_config=None if refiner is None else refiner.config, refine=config.refine,
             tree=(None if not needs("needs_tree") else config.tree if drafter is None
                   else config.tree.within_query_rows(drafter.config.block_size - 1, model.config.query_rows)),
-            rapid=self._rapid_within_query_rows(config.rapid, model.config.query_rows) if "rapid" in self.policies else None,
+            rapid=config.rapid.within_query_rows(model.config.query_rows) if "rapid" in self.policies else None,
             drafting_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
             drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
@@ -740,13 +741,6 @@ class Scheduler:
         if any(not s for s in request.stop):
             raise SpecjaxError("a stop string is empty")
         self._row_limit(request)  # refuses a method this server cannot run
-
-    @staticmethod
-    def _rapid_within_query_rows(rapid, query_rows: int | None):
-        """rapid drafts at most query_rows - 1 tokens a step, as a chain does (Engine.generate)."""
-        if query_rows is None or rapid.drafts + 1 <= query_rows:
-            return rapid
-        return dataclasses.replace(rapid, drafts=query_rows - 1)
 
     def _served_name(self, method: str | None) -> str | None:
         """A request's method as this server runs it: "chain" is "chain:7" on a target padded to 8
