@@ -193,7 +193,9 @@ def test_block_methods_verify_within_the_query_rows():
     assert method_within_query_rows("chain+refiner", 16, 8) == "chain+refiner:7"
     assert method_within_query_rows("rapid+block", 16, 4) == "rapid+block:3"
     assert method_within_query_rows("chain:3", 16, 8) == "chain:3"
-    assert method_within_query_rows("chain:20", 8, None) == "chain:20"  # no padding: the block check is elsewhere
+    assert method_within_query_rows("chain:7", 8, None) == "chain:7"
+    with pytest.raises(SpecjaxError, match="block holds 7"):  # longer than the block, padded or not
+        method_within_query_rows("chain:20", 8, None)
     for name in ("tree", "ar", "rapid"):
         assert method_within_query_rows(name, 16, 8) == name
     with pytest.raises(SpecjaxError, match="query_rows"):

@@ -199,10 +199,7 @@ class Engine:
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
         query_rows = self.model.config.query_rows
-        if spec.needs_drafter:
-            if spec.drafts is not None and spec.drafts > self.drafter.config.block_size - 1:
-                raise SpecjaxError(f"method {method!r} verifies {spec.drafts} drafts; the drafter's block holds "
-                                   f"{self.drafter.config.block_size - 1}")
+        if spec.needs_drafter:  # also refuses a draft limit longer than the block
             method = slot_api.method_within_query_rows(method, self.drafter.config.block_size, query_rows)
             if denoise_steps > 1 and query_rows is not None and query_rows < self.drafter.config.block_size:
                 raise SpecjaxError(f"denoise_steps > 1 verifies the whole block of {self.drafter.config.block_size} "

@@ -761,11 +761,14 @@ def method_within_query_rows(name: str, block: int, query_rows: int | None) -> s
     A verify pass is the same computation as W-row AR steps only when it has their W rows, so a
     block method whose block is larger than W verifies its first W - 1 drafts ("chain" -> "chain:3"
     at W = 4); one that names more drafts than that is refused. Trees are fitted by
-    TreeConfig.within_query_rows; rapid by its RapidConfig.drafts (checked by the caller)."""
+    TreeConfig.within_query_rows; rapid by RapidConfig.within_query_rows. A draft limit longer than
+    the block is refused, padded or not."""
     method = slot_method(name)
+    if method.drafts is not None and method.drafts > block - 1:
+        raise SpecjaxError(f"method {name!r} verifies {method.drafts} drafts; the drafter's block holds {block - 1}")
     if query_rows is None or method.name.partition(":")[0] not in BLOCK_METHODS:
         return method.name
-    drafts = block - 1 if method.drafts is None else min(method.drafts, block - 1)
+    drafts = block - 1 if method.drafts is None else method.drafts
     if drafts + 1 <= query_rows:
         return method.name
     if method.drafts is not None:

@@ -743,8 +743,8 @@ class Scheduler:
         self._row_limit(request)  # refuses a method this server cannot run
 
     def _served_name(self, method: str | None) -> str | None:
-        """A request's method as this server runs it: "chain" is "chain:7" on a target padded to 8
-        query rows (slots.method_within_query_rows)."""
+        """A request's method as this server runs it: with a block-16 drafter, "chain" is "chain:7"
+        on a target padded to 8 query rows (slots.method_within_query_rows)."""
         if method is None or self.drafter is None or method == "ar":
             return method
         return slot_api.method_within_query_rows(method, self.statics.block, self.model.config.query_rows)
