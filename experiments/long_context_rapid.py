@@ -16,6 +16,10 @@ alone at the same shapes (the steps themselves are fused). A method named rapid@
     python experiments/long_context_rapid.py --contexts 2048 --per-task 4 --methods ar,rapid@5,rapid@20 \
         --json runs/rapid_eta.json
 
+`--dtype` is the CLI's: auto is bf16 on a CPU with bf16 dot instructions, where every step (AR's too)
+runs 8 padded query rows so that speculation stays exact against AR; `ar:unpadded` then times AR at one
+row a step, the fastest AR of that precision.
+
 SmolLM2's window is 8,192 tokens in all, so its "8k" documents hold 7,936 tokens, leaving room for the
 question, the chat template and the answer.
 """
@@ -37,8 +41,9 @@ def main() -> int:
     parser.add_argument("--tasks", default="verse,speaker,needle")
     parser.add_argument("--methods", default="ar,chain,windowed,rapid,rapid+block",
                         help="ar, chain, windowed (chain with a windowed drafter, --window), rapid, rapid+block, "
-                             "rapid@ETA (rapid with knowledge transfer at eta ETA, lossy), and rapid+redraft or "
-                             "rapid+block+redraft (re-retrieving every --redraft-every tokens)")
+                             "rapid@ETA (rapid with knowledge transfer at eta ETA, lossy), rapid+redraft or "
+                             "rapid+block+redraft (re-retrieving every --redraft-every tokens), and ar:unpadded "
+                             "(AR with one query row a step: the speed reference where steps are padded)")
     parser.add_argument("--redraft-every", type=int, default=16,
                         help="the +redraft methods retrieve again every this many generated tokens")
     parser.add_argument("--window", type=int, default=256, help="the windowed drafter's raw window")
@@ -48,6 +53,9 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--retrieval-budget", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="compute precision of target and drafters, as `specjax generate --dtype` (auto: bf16 "
+                             "on a CPU with bf16 dot instructions, its steps padded to 8 query rows)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
 
@@ -59,14 +67,19 @@ def main() -> int:
     from specjax.decode.rapid import RapidConfig
     from specjax.io.encoder import load_sentence_encoder
     from specjax.io.compressor import windowed_drafter
-    from specjax.io.registry import load_model, resolve_compressor, resolve_drafter
+    from specjax.io.registry import (at_compute_dtype, compute_dtype, load_model, resolve_compressor,
+                                     resolve_drafter, with_query_rows)
 
-    model = load_model("smollm2")
+    dtype = args.resolved_dtype = compute_dtype(args.dtype)  # recorded in the JSON beside "auto"
+    base_model = load_model("smollm2", dtype)
+    model = with_query_rows(base_model, "auto")  # bf16: every step padded to 8 rows, so AR = verify
     drafter = resolve_drafter("default", "smollm2")
+    windowed = windowed_drafter(drafter, resolve_compressor("default", "smollm2"), args.window)
     # One prompt bucket per context length, so the tasks of a length share compiled programs.
-    engine = Engine(model, drafter, prompt_bucket=512)
-    engines = {"windowed": Engine(model, windowed_drafter(drafter, resolve_compressor("default", "smollm2"),
-                                                          args.window), prompt_bucket=512)}
+    engine = Engine(model, at_compute_dtype(drafter, dtype), prompt_bucket=512)
+    engines = {"windowed": Engine(model, at_compute_dtype(windowed, dtype), prompt_bucket=512),
+               "ar:unpadded": Engine(with_query_rows(base_model, 0), prompt_bucket=512)}
+    print(f"compute dtype {dtype}, query rows {model.config.query_rows or 1}", file=sys.stderr)
     encoder = load_sentence_encoder() if args.retriever == "minilm" else None
     config = RetrievalConfig(retriever=args.retriever, chunk_tokens=args.chunk_tokens,
                              budget_tokens=args.retrieval_budget)
@@ -92,7 +105,7 @@ def main() -> int:
                     options["redraft"] = redrafting(model.tokenizer, task.context, task.question, config,
                                                     args.redraft_every, cache, encoder)
                 runner = engines.get(method, engine)
-                decode_method = "chain" if method == "windowed" else base
+                decode_method = {"windowed": "chain", "ar:unpadded": "ar"}.get(method, base)
                 shape = (method, -(-len(prompt.full) // 512), -(-len(prompt.drafting) // 512))
                 if shape not in warm:  # compile and warm once per shape
                     runner.generate([prompt.full], args.max_new_tokens, method=decode_method, **options)

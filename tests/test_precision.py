@@ -241,17 +241,18 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
     finally:
         server.shutdown()
     # An adaptive server's default set: under padded rows a shorter chain costs the longest one's
-    # step and accepts no more, so only ar and the longest chain within the rows are compiled.
+    # step and accepts no more, so ar, the longest chain and the tree within the rows are compiled.
     from specjax.serve.controller import ControllerConfig
 
     assert ControllerConfig().policy_set(16) == ("ar", "chain:3", "chain:7", "chain")
-    assert ControllerConfig().policy_set(16, query_rows=8) == ("ar", "chain")
+    assert ControllerConfig().policy_set(16, query_rows=8) == ("ar", "chain", "tree")
     assert ControllerConfig(policies=("ar", "chain:3")).policy_set(16, query_rows=8) == ("ar", "chain:3")
     server = Scheduler(padded, at_compute_dtype(drafter, "bfloat16"),
                        ServeConfig(method="adaptive", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16),
                        compile_now=False, latency_cache=tmp_path)
     try:
-        assert server.policies == ("ar", f"chain:{width - 1}")
+        assert server.policies == ("ar", f"chain:{width - 1}", "tree")
+        assert server.statics.tree_buckets == (width,)  # one tree of as many nodes as padded rows
     finally:
         server.shutdown()
 
