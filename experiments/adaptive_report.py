@@ -1,5 +1,5 @@
 """Summarise `experiments/adaptive_sweep.sh`: output tok/s and p50/p99 TPOT per method and request
-rate; at each rate the adaptive server's throughput against the best fixed policy's and its p50 TPOT
+rate (the mean over the sweep's repetitions, with their largest spread); at each rate the adaptive server's throughput against the best fixed policy's and its p50 TPOT
 against that policy's (the best is the highest throughput, ties below saturation going to the lowest
 p50 TPOT); for each fixed policy, the rate where adaptive beats it by the most in throughput and in
 p50 TPOT; what the
@@ -21,10 +21,37 @@ def _name(method: str) -> str:
     return method.replace(":", "_").replace("@", "_")
 
 
+def load_sweep(folder: Path, method: str) -> tuple[list[dict], list[list[dict]]]:
+    """One method's rows, one per rate in sweep order, each the mean over repetitions of the
+    interleaved sweep (`NAME.repN.rateR.json`), and the repetitions' rows per rate; an older,
+    one-pass sweep folder holds `NAME.sweep.json` instead."""
+    files = sorted(folder.glob(f"{_name(method)}.rep*.rate*.json"))
+    if not files:
+        rows = json.loads((folder / f"{_name(method)}.sweep.json").read_text())["sweep"]
+        return rows, [[row] for row in rows]
+    by_rate: dict[int, list[dict]] = {}
+    for file in files:
+        rate_index = int(file.name.rsplit(".rate", 1)[1].removesuffix(".json"))
+        by_rate.setdefault(rate_index, []).extend(json.loads(file.read_text())["sweep"])
+    reps = [by_rate[i] for i in sorted(by_rate)]
+    mean = lambda rows, get: sum(get(r) for r in rows) / len(rows)  # noqa: E731
+    merged = [{"request_rate": rows[0]["request_rate"],
+               "output_token_throughput": mean(rows, lambda r: r["output_token_throughput"]),
+               "tpot_ms": {q: mean(rows, lambda r: r["tpot_ms"][q]) for q in ("p50", "p99")},
+               "failed": sum(r["failed"] for r in rows), "completed": sum(r["completed"] for r in rows)}
+              for rows in reps]
+    return merged, reps
+
+
+def spread(values: list[float]) -> float:
+    return max(values) / min(values) - 1 if min(values) > 0 else 0.0
+
+
 def main(out: str, methods: str) -> None:
     folder = Path(out)
     methods = methods.split(",")
-    sweeps = {m: json.loads((folder / f"{_name(m)}.sweep.json").read_text())["sweep"] for m in methods}
+    loaded = {m: load_sweep(folder, m) for m in methods}
+    sweeps = {m: loaded[m][0] for m in methods}
     rates = [row["request_rate"] for row in sweeps[methods[0]]]
     at = {(m, row["request_rate"]): row for m in methods for row in sweeps[m]}
     label = lambda r: "all at once" if r is None else f"{r:g} req/s"  # noqa: E731
@@ -38,6 +65,12 @@ def main(out: str, methods: str) -> None:
             tpot = row["tpot_ms"]
             cells.append(f"{row['output_token_throughput']:.1f} ({tpot['p50']:.0f} / {tpot['p99']:.0f})")
         print(f"| {m} | " + " | ".join(cells) + " |")
+    count = min(len(rows) for m in methods for rows in loaded[m][1])
+    if count > 1:
+        thr = max(spread([r["output_token_throughput"] for r in rows]) for m in methods for rows in loaded[m][1])
+        tpot = max(spread([r["tpot_ms"]["p50"] for r in rows]) for m in methods for rows in loaded[m][1])
+        print(f"\nEach figure is the mean of {count} interleaved repetitions; the largest spread between "
+              f"repetitions of one method at one rate was {thr:.0%} in throughput and {tpot:.0%} in p50 TPOT.")
     fixed = [m for m in methods if m != "adaptive"]
     if "adaptive" in methods and fixed:
         print()
