@@ -32,7 +32,8 @@ def load_sweep(folder: Path, method: str) -> tuple[list[dict], list[list[dict]]]
     by_rate: dict[int, list[dict]] = {}
     for file in files:
         rate_index = int(file.name.rsplit(".rate", 1)[1].removesuffix(".json"))
-        by_rate.setdefault(rate_index, []).extend(json.loads(file.read_text())["sweep"])
+        result = json.loads(file.read_text())  # one rate: the run itself, not a one-row sweep
+        by_rate.setdefault(rate_index, []).extend(result.get("sweep", [result]))
     reps = [by_rate[i] for i in sorted(by_rate)]
     mean = lambda rows, get: sum(get(r) for r in rows) / len(rows)  # noqa: E731
     merged = [{"request_rate": rows[0]["request_rate"],
