@@ -1,8 +1,8 @@
 """Summarise `experiments/adaptive_sweep.sh`: output tok/s and p50/p99 TPOT per method and request
-rate (the mean over the sweep's repetitions, with their largest spread); at each rate the adaptive server's throughput against the best fixed policy's and its p50 TPOT
-against that policy's (the best is the highest throughput, ties below saturation going to the lowest
-p50 TPOT); for each fixed policy, the rate where adaptive beats it by the most in throughput and in
-p50 TPOT; what the
+rate (the mean over the sweep's repetitions, with their largest spread); at each rate the adaptive
+server's throughput against the best fixed policy's and its p50 TPOT against that policy's (the best
+is the highest throughput, ties below saturation going to the lowest p50 TPOT); for each fixed
+policy, the rate where adaptive beats it by the most in throughput and in p50 TPOT; what the
 controller did; and a plot of throughput and TPOT against rate for every method.
 
     python experiments/adaptive_report.py OUT_DIR METHODS

@@ -958,8 +958,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(these two draft from passages retrieved from each request's 'document')")
     srv.add_argument("--policies", default=None,
                      help="comma-separated policies the adaptive controller chooses among (default: ar, chain:3, "
-                          "chain:7 where shorter than the block, chain; on a target padded to W query rows: ar, chain and tree "
-                          "within the W rows); add tree or +refiner methods here")
+                          "chain:7 where shorter than the block, chain; on a target padded to W query rows: ar, "
+                          "chain and tree within the W rows); add tree or +refiner methods here")
     srv.add_argument("--kv-budget-mib", type=float, default=None,
                      help="KV bytes the server may hold: admission pauses when growth is projected to reach it and "
                           "the newest request is preempted (recomputed later) past 90%% of it")
