@@ -282,8 +282,9 @@ slots.method_within_query_rows, TreeConfig.within_query_rows), so AR and verify 
 computation by construction. 8, the committed (v4) drafter's block, rather than 16 (v3's): a
 padded AR step costs less, and a smaller verify lost little. Measured side by side on SmolLM2 with
 the committed drafter, 12 held-out chat prompts x 128 tokens, against bf16 AR without padding
-(experiments/query_rows_probe.py, BENCHMARKS.md "Fewer padded query rows"): W = 3, 4 and 8 gave AR 0.97 / 0.91 / 0.83x, trees of W
-nodes 1.21 / 1.28 / 1.29x and chains 1.21 / 1.24 / 1.17x; W = 16 gave trees 1.06x (six prompts).
+(experiments/query_rows_probe.py, BENCHMARKS.md "Fewer padded query rows"): W = 3, 4 and 8 gave
+AR 0.97 / 0.91 / 0.83x, trees of W nodes 1.21 / 1.28 / 1.29x and chains 1.21 / 1.24 / 1.17x;
+W = 16 gave trees 1.06x (six prompts).
 float32 keeps single-row steps (auto = off): its step-versus-pass differences are an ulp, 5e-5 in
 the logits, and the fastest AR stays the baseline."""
 

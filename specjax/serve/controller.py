@@ -93,8 +93,9 @@ class ControllerConfig:
         if self.kv_budget_bytes is not None:
             check_at_least(1, kv_budget_bytes=self.kv_budget_bytes)
 
-    def policy_set(self, block: int, has_tree: bool = False, query_rows: int | None = None) -> tuple[str, ...]:
-        """The policies to compile for a drafter of this block (trees only when asked for, or padded).
+    def policy_set(self, block: int, query_rows: int | None = None) -> tuple[str, ...]:
+        """The policies to compile for a drafter of this block (a tree only under padding; `policies`
+        adds one anywhere).
         query_rows: a target padded to that many rows runs every step at them, so a shorter chain
         costs what the longest chain within them costs and accepts no more, while a tree of that
         many nodes costs the same step too and accepts more: the default set then is ar, that chain
@@ -108,7 +109,7 @@ class ControllerConfig:
         if query_rows is not None:
             return ("ar", "chain", "tree")
         tiers = tuple(f"chain:{k}" for k in (3, 7) if k < block - 1)
-        return ("ar",) + tiers + ("chain",) + (("tree",) if has_tree else ())
+        return ("ar",) + tiers + ("chain",)
 
 
 @dataclasses.dataclass(frozen=True)
