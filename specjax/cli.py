@@ -494,13 +494,15 @@ def cmd_serve(args) -> int:
         raise SpecjaxError("--policies applies to --method adaptive")
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise SpecjaxError(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
+    if args.relief_window < 0:
+        raise SpecjaxError(f"--relief-window must be >= 0 (0: never window), got {args.relief_window}")
     served = (policies or ("ar", "chain")) if args.method == "adaptive" else (args.method,)
     methods = sorted({p.split(":")[0] for p in served})  # chain:K tiers need what chain needs
     _check_decode_args(args, methods)
     model = _load_target(args, served=True)
     parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)
     controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
-                                  else int(args.kv_budget_mib * 2**20))
+                                  else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None)
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
@@ -609,6 +611,7 @@ def cmd_report(args) -> int:
           f"{'-' if rate is None else f'{rate:.1f}'} tok/s; tau {tau}\n"
           f"policies by time: {shares}; {summary['switches']:.0f} switches\n"
           f"KV max {kv}{budget}; alarm for {summary['kv_alarm_s']:.1f} s; {summary['preemptions']:.0f} preemptions, "
+          f"{summary['drafter_states_windowed']:.0f} drafters windowed, "
           f"{summary['drafter_states_dropped']:.0f} drafter states dropped\n"
           f"TTFT p50 {pct(summary['ttft_p50_s'])} p99 {pct(summary['ttft_p99_s'])}; "
           f"TPOT p50 {pct(summary['tpot_p50_s'])} p99 {pct(summary['tpot_p99_s'])}\n"
@@ -961,8 +964,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "chain:7 where shorter than the block, chain; on a target padded to W query rows: ar, "
                           "chain and tree within the W rows); add tree or +refiner methods here")
     srv.add_argument("--kv-budget-mib", type=float, default=None,
-                     help="KV bytes the server may hold: admission pauses when growth is projected to reach it and "
-                          "the newest request is preempted (recomputed later) past 90%% of it")
+                     help="KV bytes the server may hold: admission pauses when growth is projected to reach it; past "
+                          "90%% of it drafters are windowed to their recent context (--relief-window), then drafter "
+                          "states dropped, then the newest requests preempted (recomputed later)")
+    srv.add_argument("--relief-window", type=int, default=256,
+                     help="under --kv-budget-mib pressure: context positions a full-attention drafter keeps reading "
+                          "once windowed (0: never window; drop the drafter state instead)")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")

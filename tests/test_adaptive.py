@@ -84,6 +84,49 @@ def test_switching_methods_at_random_steps_keeps_greedy_output_equal_to_ar(targe
     assert histogram[1:, 1:].sum() > 0  # the others did, after AR steps too
 
 
+def test_a_windowed_drafter_reads_only_its_window_and_output_stays_ar(target, drafter):
+    """Memory pressure's windowing: rows whose drafter is windowed in the middle of a request
+    (SlotState.drafter_window) keep AR's greedy tokens under switching methods, and go on
+    accepting drafts. The drafter reads nothing before the window: garbling every context entry
+    older than it leaves the drafts as they were, and changes them when the row is not windowed."""
+    from specjax.decode.speculative import draft_block_states
+    from specjax.models.cache import KVCache
+
+    depth, window = 24, 3
+    statics = _statics(drafter, len(PROMPTS), depth, eos=tuple(target.eos_token_ids))
+    parts = slots.slot_parts(statics, target.params, drafter.params)
+    state = _insert(statics, parts, PROMPTS, depth)
+    for method in ("chain", "tree"):
+        state = slots.step(parts, state, method=method, statics=statics)
+    windowed = jnp.asarray([window, 0, window, 0, window, window], jnp.int32)
+    state = state.replace(drafter_window=windowed)
+
+    cache, lengths = state.context_cache, state.lengths
+    is_windowed = np.asarray(windowed) > 0
+    # [S, T]: context before the window of each windowed row
+    older = (jnp.arange(cache.max_length)[None, :] < (lengths - window)[:, None]) & is_windowed[:, None]
+    garble = lambda c: jnp.where(older[:, :, None, None], 7.0, c)  # noqa: E731
+    garbled = KVCache(tuple(map(garble, cache.keys)), tuple(map(garble, cache.values)))
+    assert bool(older.any(axis=1)[is_windowed].all())  # every windowed row has context before its window
+
+    def drafted(context, context_from):
+        return np.asarray(draft_block_states(target.params, TINY, drafter.params, drafter.config, state.last_token,
+                                             lengths, context, context_from=context_from))
+    context_from = slots._context_from(state, lengths)
+    np.testing.assert_allclose(drafted(garbled, context_from), drafted(cache, context_from), atol=1e-6)
+    changed = np.abs(drafted(garbled, None) - drafted(cache, None)).max(axis=(1, 2))  # [S]
+    assert (changed[is_windowed] > 1e-3).all(), changed
+
+    rng = np.random.default_rng(1)
+    while not bool(state.done.all()):
+        state = slots.step(parts, state, method=SWITCHED[rng.integers(len(SWITCHED))], statics=statics)
+    expected = Engine(target).generate(PROMPTS, depth).tokens
+    tokens, counts = np.asarray(state.tokens), np.asarray(state.num_generated)
+    for row, want in enumerate(expected):
+        assert tokens[row, : counts[row]].tolist() == want, row
+    assert np.asarray(state.accepted_histogram)[is_windowed, 1:].sum() > 0  # windowed rows still accept
+
+
 def _switched_samples(target, drafter, sampling, prompt, count, depth, seed, methods, limits):
     statics = _statics(drafter, count, depth)
     parts = slots.slot_parts(statics, target.params, drafter.params)
@@ -299,10 +342,12 @@ def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter
     assert "specjax:controller_predicted_tokens_per_step" in text and 'specjax:output_distinct_n{n="2"}' in text
 
 
-def test_kv_pressure_drops_drafter_states_then_preempts_and_outputs_stay_exact(target, drafter, tmp_path):
-    """A budget of 40 tokens' target KV for three requests that grow to about 30 tokens each: the
-    drafter states go first, then the newest rows are preempted and recomputed later, and every
-    greedy output is still AR's. The run log's report shows the budget, the drops and the
+@pytest.mark.parametrize("relief_window", [None, 4])
+def test_kv_pressure_windows_or_drops_then_preempts_and_outputs_stay_exact(target, drafter, tmp_path, relief_window):
+    """A budget of 40 tokens' target KV for three requests that grow to about 30 tokens each: with a
+    relief window the drafters are windowed to their last 4 positions first; without one drafter
+    states go first; then the newest rows are preempted and recomputed later, and every greedy
+    output is still AR's. The run log's report shows the budget, the windows or the drops, and the
     preemptions."""
     from specjax.decode.memory import target_kv_bytes
     from specjax.monitor.report import plot_report, read_run_log, summarize
@@ -310,7 +355,7 @@ def test_kv_pressure_drops_drafter_states_then_preempts_and_outputs_stay_exact(t
     per_token = target_kv_bytes(TINY, 1, 1)
     log = tmp_path / "run.jsonl"
     scheduler = _adaptive(target, drafter, kv_budget_bytes=40 * per_token, kv_high_water=0.9, probe_every=0,
-                          metrics_log=log, snapshot_every=0.01)
+                          relief_window=relief_window, metrics_log=log, snapshot_every=0.01)
     limits = [24, 24, 24]
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0))
@@ -325,7 +370,12 @@ def test_kv_pressure_drops_drafter_states_then_preempts_and_outputs_stay_exact(t
     assert sum(r.metrics["preemptions"] for r in results) >= 1
     dropped = sum(r.metrics["drafter_state_dropped"] for r in results)
     drops = scheduler.metrics.registry.get_sample_value("specjax:drafter_states_dropped_total")
-    assert drops >= max(dropped, 1)
+    windows = scheduler.metrics.registry.get_sample_value("specjax:drafter_states_windowed_total")
+    if relief_window is None:
+        assert drops >= max(dropped, 1) and windows == 0
+    else:  # windowing covers what dropping would, so the windowed rows keep speculating
+        assert windows >= max(sum(r.metrics["drafter_windowed"] for r in results), 1)
+        assert drops >= dropped
     assert "specjax:preemptions_total" in text and "specjax:kv_cache_budget_bytes" in text
 
     snapshots, requests = read_run_log(log)
@@ -333,10 +383,13 @@ def test_kv_pressure_drops_drafter_states_then_preempts_and_outputs_stay_exact(t
     summary = summarize(snapshots, requests)
     assert summary["preemptions"] == sum(r.metrics["preemptions"] for r in results)
     assert summary["drafter_states_dropped"] == drops  # (a request preempted after a drop resumes with a state)
+    assert summary["drafter_states_windowed"] == windows
     assert summary["kv_budget"] == 40 * per_token and summary["kv_bytes_max"] > 0
     assert summary["completion_tokens"] == sum(limits)
     assert abs(sum(summary["policy_time_share"].values()) - 1) < 1e-9
-    assert max(s["running"] for s in snapshots) >= 2
+    # The load the log shows: decoding or queued (preempted ones among them). Not decoding alone: how
+    # long two rows decode side by side before a preemption is the host's timing.
+    assert max(s["running"] + s["waiting"] for s in snapshots) >= 2
     png = plot_report(snapshots, requests, tmp_path / "run.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -357,6 +410,27 @@ def test_memory_relief_drops_drafter_states_before_it_preempts():
     assert plan(5, quiet).drop_drafter == (0,)
     assert (plan(5, per={"target": 10}).drop_drafter, plan(5, per={"target": 10}).preempt) == ((), (2,))
     assert plan(10_000, [rows[0]]).preempt == ()
+
+
+def test_memory_relief_windows_drafters_before_it_drops_or_preempts():
+    """With a drafter window, speculating rows whose drafter context is longer than the window are
+    windowed first, longest first, and keep speculating; drops and preemption cover only the rest,
+    counting a windowed row's drafter bytes as its window's."""
+    from specjax.serve.controller import HeldRow, relieve_memory
+
+    rows = [HeldRow(0, 0.0, 100, True), HeldRow(1, 1.0, 50, True), HeldRow(2, 2.0, 10, True),
+            HeldRow(3, 3.0, 80, True, speculating=False)]
+    per = {"target": 10, "drafter": 1}
+    plan = lambda excess, rows=rows: relieve_memory(rows, per, excess, drafter_window=20)  # noqa: E731
+    assert (plan(30).window_drafter, plan(30).drop_drafter, plan(30).preempt, plan(30).freed_bytes) == ((0,), (), (), 80)
+    assert (plan(100).window_drafter, plan(100).drop_drafter, plan(100).freed_bytes) == ((0, 1), (), 110)
+    # The non-speculating row is not windowed (dropping its state loses nothing), and goes first after.
+    assert (plan(150).window_drafter, plan(150).drop_drafter, plan(150).preempt) == ((0, 1), (3,), ())
+    assert plan(80, [HeldRow(0, 0.0, 100, True, drafter_window=20)]).window_drafter == ()  # already windowed
+    big = plan(1_500)  # a preempted row is not windowed as well
+    assert (big.preempt, big.window_drafter, big.drop_drafter, big.freed_bytes) == ((3, 2, 1), (0,), (), 1620)
+    assert relieve_memory(rows, per, 30).window_drafter == ()  # no window: drop instead, as before
+    assert relieve_memory(rows, {"target": 10}, 30, drafter_window=20).window_drafter == ()
 
 
 def test_the_request_fields_reach_the_server_over_http(target, drafter):

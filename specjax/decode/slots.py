@@ -161,6 +161,10 @@ class SlotState:
     draft_limit: jax.Array
     """[S] int32: most drafts a step may commit for the row (0: the row decodes one token per step
     whatever the batch's method; block - 1: no limit). A per-row choice inside a batch-wide step."""
+    drafter_window: jax.Array
+    """[S] int32: a full-attention drafter reads only the row's last this many context positions
+    (0: all of them). Set under memory pressure: the older positions' drafter K/V are then not
+    needed, so a paged allocator could free them. Drafts only, so any value is exact."""
     target_cache: KVCache
     context_cache: DrafterContext | None
     """The drafter's context per row, or None for autoregressive decoding."""
@@ -243,6 +247,7 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         tree_sizes=jnp.zeros((s, max(1, len(statics.tree_buckets))), jnp.int32),
         tree_chosen=jnp.zeros((s,), jnp.int32),
         draft_limit=jnp.full((s,), statics.block - 1, jnp.int32),
+        drafter_window=jnp.zeros((s,), jnp.int32),
         target_cache=KVCache.zeros(statics.target_config, s, statics.slot.cache_length),
         context_cache=(None if statics.drafter_config is None else empty_context_cache(
             statics.drafter_config, s,
@@ -377,6 +382,7 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         tree_chosen=put(state.tree_chosen, jnp.zeros((count,), jnp.int32)),
         draft_limit=put(state.draft_limit, jnp.full((count,), statics.block - 1, jnp.int32)
                         if request.draft_limit is None else request.draft_limit),
+        drafter_window=put(state.drafter_window, jnp.zeros((count,), jnp.int32)),
         target_cache=put(state.target_cache, cache),
     )
     # Without drafting prompts, a drafting-context row's context is left for refresh_drafting, which
@@ -551,6 +557,11 @@ def _within_limit(n, next_token, drafts, limit):
     return jnp.minimum(n, limit), jnp.where(cut, at_limit, next_token)
 
 
+def _context_from(state: SlotState, draft_lengths) -> jax.Array:
+    """[S] int32: the first context position each row's drafter reads (its drafter_window)."""
+    return jnp.where(state.drafter_window > 0, jnp.maximum(draft_lengths - state.drafter_window, 0), 0)
+
+
 def _refiner_inputs(parts: SlotParts, statics: SlotStatics) -> RefinerInputs:
     return RefinerInputs(parts.refiner, parts.refiner_head, statics.refiner_config, statics.refine)
 
@@ -567,7 +578,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     keys, draft_keys, accept_keys = split_row_keys(state.keys, 3)
     draft_lengths = state.drafting_lengths if statics.drafter_on_retrieval else state.lengths  # [S]
     hidden = draft_block_states(parts.target, tcfg, parts.drafter, dcfg, state.last_token, draft_lengths,
-                                state.context_cache)  # [S, K, d]
+                                state.context_cache, context_from=_context_from(state, draft_lengths))  # [S, K, d]
     logits = apply_head(hidden, parts.head)  # [S, K, V']
     sampled = _any_sampled(state.sampling)
     greedy_draft = lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32)  # noqa: E731
@@ -649,7 +660,8 @@ def _tree_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     sampled = _any_sampled(state.sampling)
     refiner = _refiner_inputs(parts, statics) if refined else None
     logits, passes = draft_marginals(parts.target, tcfg, parts.drafter, dcfg, state.last_token, state.lengths,
-                                     state.context_cache, parts.head, parts.draft_vocab, refiner)  # [S, K, V']
+                                     state.context_cache, parts.head, parts.draft_vocab, refiner,
+                                     context_from=_context_from(state, state.lengths))  # [S, K, V']
     # Sampled rows grow their trees on the processed marginals, the distribution the target samples;
     # greedy rows on the raw ones (their one-hot processed form would leave one candidate per depth).
     is_sampled = (state.sampling.temperature > 0)[:, None, None]

@@ -55,10 +55,12 @@ class ChainState:
 
 
 def draft_block_states(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
-                       last_token, lengths, context_cache: KVCache, known=None, known_tokens=None):
+                       last_token, lengths, context_cache: KVCache, known=None, known_tokens=None, context_from=None):
     """One drafter pass. known/known_tokens: [B, K] slots already unmasked by earlier denoising passes
-    (default: none). Returns the drafter's final states [B, K, d] of draft slots 1..K (positions
-    lengths+1 .. lengths+K, K = block-1), ready for the LM head."""
+    (default: none). context_from: [B] int32, a full-attention drafter reads only the context
+    positions from there on (a row windowed under memory pressure; None: all of them). Returns the
+    drafter's final states [B, K, d] of draft slots 1..K (positions lengths+1 .. lengths+K,
+    K = block-1), ready for the LM head."""
     batch, block = last_token.shape[0], drafter_config.block_size
     slot = jnp.arange(block, dtype=jnp.int32)
     if known is None:
@@ -77,6 +79,8 @@ def draft_block_states(target_params, target_config: TransformerConfig, drafter_
                           jnp.ones((batch, block, block), bool), method=Drafter.windowed)  # [B, Bk, d]
         return h[:, 1:]
     mask = attention_mask(lengths, block, context_cache.max_length, jnp.ones((batch, block, block), bool))
+    if context_from is not None:
+        mask &= (jnp.arange(context_cache.max_length, dtype=jnp.int32)[None, :] >= context_from[:, None])[:, None, :]
     h = drafter.apply({"params": drafter_params}, x, positions, context_cache.keys, context_cache.values, mask,
                       lengths)  # [B, Bk, d]
     return h[:, 1:]

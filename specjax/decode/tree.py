@@ -321,11 +321,13 @@ class TreeOutput:
 
 
 def draft_marginals(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
-                    last_token, lengths, context_cache: KVCache, head, draft_vocab, refiner: RefinerInputs | None):
+                    last_token, lengths, context_cache: KVCache, head, draft_vocab, refiner: RefinerInputs | None,
+                    context_from=None):
     """Per-depth draft logits [B, K, V'] for tree building, and refinement passes run []. With a
-    refiner, the marginals are the refined ones along the refiner's own greedy chain."""
+    refiner, the marginals are the refined ones along the refiner's own greedy chain. context_from:
+    see `draft_block_states`."""
     hidden = draft_block_states(target_params, target_config, drafter_params, drafter_config, last_token, lengths,
-                                context_cache)  # [B, K, d]
+                                context_cache, context_from=context_from)  # [B, K, d]
     logits = apply_head(hidden, head)  # [B, K, V']
     if refiner is None:
         return logits, jnp.int32(0)

@@ -87,6 +87,7 @@ def summarize(snapshots: list[dict], requests: list[dict]) -> dict:
         "preemptions": max([s.get("preemptions", 0) for s in snapshots] +
                            [r.get("preemptions", 0) for r in requests], default=0),
         "drafter_states_dropped": max([s.get("drafter_drops", 0) for s in snapshots], default=0),
+        "drafter_states_windowed": max([s.get("drafter_windows", 0) for s in snapshots], default=0),
         "kv_bytes_max": max(kv, default=None),
         "kv_budget": next((s["kv_budget"] for s in snapshots if s.get("kv_budget")), None),
         "kv_alarm_s": sum(s.get("interval_s", 0.0) for s in snapshots if s.get("kv_alarm")),
@@ -162,8 +163,12 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     drops = np.diff([0.0] + [s.get("drafter_drops", 0.0) for s in snapshots])
     for when in t[drops > 0]:
         kv_ax.axvline(when, color="tab:purple", lw=0.8, ls=":", alpha=0.8)
+    windows = np.diff([0.0] + [s.get("drafter_windows", 0.0) for s in snapshots])
+    for when in t[windows > 0]:
+        kv_ax.axvline(when, color="tab:green", lw=0.8, ls="--", alpha=0.8)
     kv_ax.set_ylabel("MiB")
-    kv_ax.set_title("KV bytes in use (black lines: preemptions; dotted: drafter states dropped)")
+    kv_ax.set_title("KV bytes in use (black lines: preemptions; dotted: drafter states dropped; "
+                    "dashed: drafters windowed)")
     if kv_ax.get_legend_handles_labels()[0]:
         kv_ax.legend(fontsize=8, loc="upper left")
 

@@ -87,6 +87,9 @@ class ServingMetrics:
         self.drafter_drops = Counter("specjax:drafter_states_dropped",
                                      "Requests whose drafter state was dropped under KV pressure (they go on "
                                      "without drafts)", registry=r)
+        self.drafter_windows = Counter("specjax:drafter_states_windowed",
+                                       "Requests whose drafter was windowed to its recent context under KV pressure "
+                                       "(they go on speculating)", registry=r)
         self.distinct = Gauge("specjax:output_distinct_n", "Mean distinct-n of the last 64 finished outputs "
                               "(repetition shows as a low value)", ["n"], registry=r)
         self._distinct: dict[str, list[float]] = {"2": [], "3": []}
@@ -180,6 +183,9 @@ class ServingMetrics:
     def drafter_state_dropped(self) -> None:
         self.drafter_drops.inc()
 
+    def drafter_state_windowed(self) -> None:
+        self.drafter_windows.inc()
+
     def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
         self.requests.labels(finished_reason=reason).inc()
         self.e2e.observe(e2e_seconds)
@@ -229,7 +235,7 @@ class ServingMetrics:
             "measured_tokens_per_step": value("specjax:controller_measured_tokens_per_step"),
             "step_s": value("specjax:step_seconds", {"phase": "step"}),
             "preemptions": counters["preemptions"], "drafter_drops": counters["drafter_drops"],
-            "switches": counters["switches"],
+            "drafter_windows": counters["drafter_windows"], "switches": counters["switches"],
         }
 
     def _counters(self) -> dict[str, float]:
@@ -238,7 +244,7 @@ class ServingMetrics:
             return sum(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))
         out = {"tokens": total(self.generation_tokens), "drafts": total(self.drafts),
                "accepted": total(self.accepted_tokens), "preemptions": total(self.preemptions),
-               "drafter_drops": total(self.drafter_drops),
+               "drafter_drops": total(self.drafter_drops), "drafter_windows": total(self.drafter_windows),
                "switches": total(self.switches)}
         for sample in self.accepted_per_pos.collect()[0].samples:
             if sample.name.endswith("_total"):

@@ -22,9 +22,10 @@ Bastion's tree-size rule generalised from one sequence to a batch and to a choic
   policy that became good again are not stuck at old values.
 - Memory: bytes in use and their growth give a projected time to the KV budget; crossing the high
   water mark or a projection inside the horizon raises the alarm, which pauses admission. Past the
-  high water mark, `relieve_memory` plans what to free: drafter states first (the row goes on
-  without speculation, output unchanged), preemption of the newest requests only for what dropping
-  drafter states cannot cover.
+  high water mark, `relieve_memory` plans what to free, least lost first: windowed drafting (a row's
+  full-attention drafter reads only its recent context, and keeps speculating), then drafter states
+  (the row goes on without speculation), and preemption of the newest requests only for what those
+  cannot cover. Output is unchanged by all three.
 
 Nothing here touches devices or HTTP: the scheduler feeds it numbers and asks for decisions.
 """
@@ -78,6 +79,11 @@ class ControllerConfig:
     """Fraction of the budget at which the alarm is raised whatever the growth."""
     kv_horizon_s: float = 3.0
     """Alarm when the bytes in use, growing at their recent rate, would reach the budget this soon."""
+    relief_window: int | None = 256
+    """Under memory pressure, a full-attention drafter's rows are first windowed: the drafter reads
+    only the row's last this many context positions (SW-SpeedDLM's window, without its summaries),
+    so the drafter K/V before them can be freed while the row keeps speculating. None: never window
+    (drafter states are dropped instead)."""
 
     def __post_init__(self):
         if not 0.0 < self.ema <= 1.0:
@@ -92,6 +98,8 @@ class ControllerConfig:
         check_at_least(0, probe_every=self.probe_every)
         if self.kv_budget_bytes is not None:
             check_at_least(1, kv_budget_bytes=self.kv_budget_bytes)
+        if self.relief_window is not None:
+            check_at_least(1, relief_window=self.relief_window)
 
     def policy_set(self, block: int, query_rows: int | None = None) -> tuple[str, ...]:
         """The policies to compile for a drafter of this block (a tree only under padding; `policies`
@@ -158,10 +166,14 @@ class HeldRow:
     drafter_tokens: int | None = None
     """Positions its drafter context holds, when not `tokens` (a drafting context sized by the
     request's drafting prompt: rapid, rapid+block)."""
+    drafter_window: int = 0
+    """Its drafter reads only its last this many context positions (0: all of them)."""
 
     @property
     def drafting(self) -> int:
-        return self.tokens if self.drafter_tokens is None else self.drafter_tokens
+        """Drafter context positions it holds: the newest `drafter_window` of them once windowed."""
+        held = self.tokens if self.drafter_tokens is None else self.drafter_tokens
+        return min(held, self.drafter_window) if self.drafter_window else held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,29 +183,48 @@ class Relief:
     preempt: tuple[int, ...]
     """Slots preempted: their requests go back to the queue with their tokens so far."""
     freed_bytes: int
+    window_drafter: tuple[int, ...] = ()
+    """Slots whose drafter is windowed: it reads only the row's last `drafter_window` context
+    positions from now on, and the row keeps speculating."""
 
 
-def relieve_memory(rows: Sequence[HeldRow], bytes_per_token: dict[str, int], excess_bytes: int) -> Relief:
-    """Free at least excess_bytes, losing as little as possible. Dropping a drafter state costs only
-    speculation (no recompute), so preemption covers just what the drafter states of the rows that
-    stay cannot; then drafter states go, newest request first. One request always stays, so the
-    server makes progress (a request alone is never preempted)."""
+def relieve_memory(rows: Sequence[HeldRow], bytes_per_token: dict[str, int], excess_bytes: int,
+                   drafter_window: int | None = None) -> Relief:
+    """Free at least excess_bytes, losing as little as possible, in this order:
+    1. with drafter_window, windowing: speculating rows whose drafter holds more context than the
+       window keep only the window (longest first); speculation goes on at a shorter context;
+    2. preemption of the newest requests, only for what the drafter states of the rows that stay
+       cannot cover (recomputing a request is work lost);
+    3. drafter states dropped, newest request first and non-speculating rows before all (the row
+       loses speculation, no work).
+    One request always stays, so the server makes progress (a request alone is never preempted)."""
     target, drafter = bytes_per_token.get("target", 0), bytes_per_token.get("drafter", 0)
+    held = {r.slot: r.drafting if r.holds_drafter and drafter else 0 for r in rows}  # drafter positions
+    windowed, freed = [], 0
+    if drafter_window and drafter:
+        for row in sorted(rows, key=lambda r: -held[r.slot]):
+            if freed >= excess_bytes:
+                break
+            if row.speculating and held[row.slot] > drafter_window:
+                windowed.append(row.slot)
+                freed += (held[row.slot] - drafter_window) * drafter
+                held[row.slot] = drafter_window
     staying = sorted(rows, key=lambda r: r.admitted)  # oldest first; the newest is popped first
-    droppable = lambda: sum(r.drafting * drafter for r in staying if r.holds_drafter)  # noqa: E731
-    preempt, freed = [], 0
+    droppable = lambda: sum(held[r.slot] for r in staying) * drafter  # noqa: E731
+    preempt = []
     while len(staying) > 1 and excess_bytes - freed > droppable():
         row = staying.pop()
         preempt.append(row.slot)
-        freed += row.tokens * target + (row.drafting * drafter if row.holds_drafter else 0)
+        freed += row.tokens * target + held[row.slot] * drafter
     drop = []
     for row in sorted(reversed(staying), key=lambda r: r.speculating):  # stable: newest first within each
         if freed >= excess_bytes:
             break
-        if row.holds_drafter and drafter:
+        if held[row.slot]:
             drop.append(row.slot)
-            freed += row.drafting * drafter
-    return Relief(tuple(drop), tuple(preempt), freed)
+            freed += held[row.slot] * drafter
+    windowed = [slot for slot in windowed if slot not in preempt and slot not in drop]
+    return Relief(tuple(drop), tuple(preempt), freed, tuple(windowed))
 
 
 class Controller:

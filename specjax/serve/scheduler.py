@@ -295,6 +295,12 @@ class _Live:
     """Verify steps this request took under each batch policy."""
     holds_drafter: bool = True
     """False once memory pressure dropped its drafter state (it then decodes without drafts)."""
+    drafter_window: int = 0
+    """Context positions its drafter reads once memory pressure windowed it (0: all; SlotState.drafter_window)."""
+
+    def drafting_held(self, positions: int) -> int:
+        """Drafter context positions it holds, of `positions` written: the window's once windowed."""
+        return min(positions, self.drafter_window) if self.drafter_window else positions
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -456,6 +462,10 @@ class Scheduler:
             per_token = drafter_state_breakdown(drafter.config, 1, 64).get("drafter_bytes_per_token")
             if per_token:
                 self._bytes_per_token["drafter"] = per_token
+        # Windowing relief needs a drafter that reads a full-attention context cache: not a windowed
+        # drafter's ring (bounded already), nor rapid's drafting context (the target's own cache).
+        full_context = drafter is not None and drafter.config.window is None and self.statics.rapid is None
+        self._relief_window = config.controller.relief_window if full_context else None
         self.controller = Controller(self.policies, self.statics.block, config.controller, config.steps_per_sync)
         self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISION_HISTORY)
         """(wall time, the controller's Decision) for the most recent device calls, oldest first."""
@@ -989,7 +999,8 @@ class Scheduler:
         target, drafter = self._bytes_per_token["target"], self._bytes_per_token.get("drafter", 0)
         # A drafting context (rapid, rapid+block) holds the drafting prompt, not the full one.
         drafting = self._drafting_lengths if self.drafts_from_retrieval else self._lengths
-        held = sum(int(self._lengths[slot]) * target + int(drafting[slot]) * drafter for slot in self._live)
+        held = sum(int(self._lengths[slot]) * target + live.drafting_held(int(drafting[slot])) * drafter
+                   for slot, live in self._live.items())
         own = request.prompt if request.drafting_prompt is None or not self.drafts_from_retrieval \
             else request.drafting_prompt
         held += sum(len(x.prompt) * target + len(x.drafting_prompt if self.drafts_from_retrieval else x.prompt) * drafter
@@ -1259,6 +1270,7 @@ class Scheduler:
             "policy_steps": dict(live.policy_steps),
             "preemptions": live.handle._carry.get("preemptions", 0),
             "drafter_state_dropped": not live.holds_drafter,
+            "drafter_windowed": live.drafter_window > 0,
             **({"lossy": self.statics.rapid.lossy_label}
                if self.statics.rapid is not None and self.statics.rapid.lossy else {}),
             # Quality beside speed: high acceptance from degenerate repetition shows as low distinct-n.
@@ -1310,7 +1322,8 @@ class Scheduler:
         if "drafter" in self._bytes_per_token:
             # A drafting context (rapid, rapid+block) holds the drafting prompt, not the full one.
             held = self._drafting_lengths if self.drafts_from_retrieval else lengths
-            drafting = sum(int(held[slot]) for slot in used if self._live[slot].holds_drafter)
+            drafting = sum(self._live[slot].drafting_held(int(held[slot])) for slot in used
+                           if self._live[slot].holds_drafter)
             bytes_in_use["drafter"] = drafting * self._bytes_per_token["drafter"]
         self.metrics.memory(tokens_held / capacity, bytes_in_use, self._bytes_per_token)
         state = self.memory_state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
@@ -1323,13 +1336,16 @@ class Scheduler:
             return
         rows = [HeldRow(slot, live.admitted, used[slot], live.holds_drafter and "drafter" in self._bytes_per_token,
                         speculating=live.draft_limit > 0,
-                        drafter_tokens=int(self._drafting_lengths[slot]) if self.drafts_from_retrieval else None)
+                        drafter_tokens=int(self._drafting_lengths[slot]) if self.drafts_from_retrieval else None,
+                        drafter_window=live.drafter_window)
                 for slot, live in self._live.items() if not live.prefilling]
-        relief = relieve_memory(rows, self._bytes_per_token, state.bytes_in_use - high_water)
+        relief = relieve_memory(rows, self._bytes_per_token, state.bytes_in_use - high_water, self._relief_window)
         for slot in relief.preempt:
             self._preempt(slot)
         for slot in relief.drop_drafter:
             self._drop_drafter_state(slot)
+        for slot in relief.window_drafter:
+            self._window_drafter(slot)
 
     def _drop_drafter_state(self, slot: int) -> None:
         """The row decodes on without drafts (a draft limit of 0 is exact under every policy), and its
@@ -1341,6 +1357,17 @@ class Scheduler:
         self._state = self._state.replace(draft_limit=self._state.draft_limit.at[slot].set(0))
         self.metrics.drafter_state_dropped()
         log.info("dropped the drafter state of request %d: KV bytes past the high water mark", live.handle.id)
+
+    def _window_drafter(self, slot: int) -> None:
+        """The row's drafter reads only its last `_relief_window` context positions from now on; the
+        row keeps speculating (drafts only, so output is unchanged) and its older drafter K/V no
+        longer count against the budget."""
+        live = self._live[slot]
+        live.drafter_window = self._relief_window
+        self._state = self._state.replace(drafter_window=self._state.drafter_window.at[slot].set(live.drafter_window))
+        self.metrics.drafter_state_windowed()
+        log.info("windowed the drafter of request %d to its last %d positions: KV bytes past the high water mark",
+                 live.handle.id, live.drafter_window)
 
     def _preempt(self, slot: int) -> None:
         live = self._live.pop(slot)

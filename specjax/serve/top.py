@@ -113,6 +113,7 @@ def summarize(new: Snapshot, old: Snapshot | None) -> dict:
         "kv_alarm": bool(new.gauges.get("kv_cache_alarm", 0.0)),
         "preemptions": new.counters.get("preemptions", 0.0),
         "drafter_drops": new.counters.get("drafter_states_dropped", 0.0),
+        "drafter_windows": new.counters.get("drafter_states_windowed", 0.0),
         "distinct": {n: new.gauges[f"output_distinct_n:{n}"] for n in ("2", "3") if f"output_distinct_n:{n}" in new.gauges},
     }
 
@@ -157,8 +158,8 @@ def render(view: dict, url: str):
                      + ("  [b red]ALARM[/b red]" if view["kv_alarm"] else ""),
                      "reached in " + ("never (not growing)" if to_budget is None or to_budget < 0
                                       else f"{to_budget:.1f} s at the current growth"),
-                     f"[b]preempted[/b] {view['preemptions']:.0f}  [b]drafter states dropped[/b] "
-                     f"{view['drafter_drops']:.0f}")
+                     f"[b]preempted[/b] {view['preemptions']:.0f}  [b]drafters windowed[/b] "
+                     f"{view.get('drafter_windows', 0):.0f}  [b]drafter states dropped[/b] {view['drafter_drops']:.0f}")
     if view.get("distinct"):
         head.add_row("[b]output distinct-n[/b] " + ", ".join(f"{n}: {v:.2f}" for n, v in view["distinct"].items()),
                      "(low means repetition)", "")
