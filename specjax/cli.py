@@ -255,6 +255,11 @@ def cmd_generate(args) -> int:
               f"verified: {sizes}", file=sys.stderr)
     if "lossy" in s:
         print(f"[{s['method']}] LOSSY: {s['lossy']}", file=sys.stderr)
+        agreement = s.get("lossless_agreement")
+        if agreement:
+            print(f"[{s['method']}] agreement with the lossless run: {sum(agreement['identical'])} of "
+                  f"{len(agreement['identical'])} outputs identical; tokens agreeing before the first difference, "
+                  f"per output: {agreement['prefix_tokens']}", file=sys.stderr)
     print(f"[{s['method']}] {s['new_tokens']} new tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_s']:.1f} s, not included)", file=sys.stderr)
     print(f"[{s['method']}] memory: {_memory_line(s['memory'])}", file=sys.stderr)

@@ -158,6 +158,49 @@ def test_knowledge_transfer_moves_the_output_toward_the_drafts(target):
         RapidConfig(eta=-1.0)
 
 
+def _first_difference(out, want) -> int:
+    return next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
+
+
+def test_lossy_transfer_reports_where_each_output_leaves_the_lossless_run(target):
+    """Under knowledge transfer (eta > 0), a greedy row records the first token that is not the
+    target's own greedy choice. Greedy rapid at eta = 0 is AR, so that is where the output first
+    differs from AR's: checked through the Engine's stats and through a server's request metrics
+    and agreement gauge."""
+    from specjax.serve.scheduler import Request, Scheduler
+
+    prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[5:] + [7], DOCUMENT[:9] + [4, 4]]
+    drafting = [[7, 3], [9, 9, 0], DOCUMENT[:9] + [4, 4]]
+    depth, lossy_config = 16, RapidConfig(drafts=3, eta=50.0)
+    expected = Engine(target).generate(prompts, depth, ignore_eos=True).tokens
+    lossy = Engine(target).generate(prompts, depth, ignore_eos=True, method="rapid", drafting_prompts=drafting,
+                                    rapid=lossy_config)
+    agreement = lossy.stats["lossless_agreement"]
+    for out, want, prefix, identical in zip(lossy.tokens, expected, agreement["prefix_tokens"],
+                                            agreement["identical"]):
+        assert prefix == _first_difference(out, want) and identical == (out == want)
+    assert not all(agreement["identical"])  # the transfer changed an output, so the check can fail
+
+    config = _rapid_config("rapid")
+    scheduler = Scheduler(target, None, config.__class__(**{**config.__dict__, "rapid": lossy_config}),
+                          compile_now=False)
+    try:
+        handles = [scheduler.submit(Request(tuple(p), max_tokens=depth, temperature=0.0, drafting_prompt=tuple(d)))
+                   for p, d in zip(prompts, drafting)]
+        results = [h.result(timeout=300) for h in handles]
+        ratio = scheduler.metrics.registry.get_sample_value("specjax:lossy_agreement_ratio")
+    finally:
+        scheduler.shutdown()
+    identical = 0
+    for result, want in zip(results, expected):
+        reported = result.metrics["lossless_agreement"]
+        assert "eta=50" in result.metrics["lossy"]
+        assert reported["prefix_tokens"] == _first_difference(result.token_ids, want)
+        assert reported["identical"] == (result.token_ids == want[: len(result.token_ids)])
+        identical += reported["identical"]
+    assert ratio == identical / len(results)
+
+
 @pytest.mark.slow  # 20 s; the served rapid+block test checks its exactness by default
 def test_rapid_block_drafts_from_the_drafting_prompt_and_stays_exact(target, drafter):
     """rapid+block: the block drafter reads the target's features of the drafting prompt only.

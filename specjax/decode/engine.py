@@ -96,6 +96,15 @@ class DecodeRequestShape:
         return self.steps_per_sync > 0
 
 
+def lossless_agreement(diverged_at, counts) -> dict:
+    """How far lossy greedy rows agree with the lossless run (SlotState.lossless_diverged_at
+    [B], generated counts [B]): per row the tokens before the first that differs, and whether the
+    whole output is the lossless one."""
+    prefix = [int(c) if d < 0 or d >= c else int(d) for d, c in zip(diverged_at, counts)]
+    identical = [p == int(c) for p, c in zip(prefix, counts)]
+    return {"identical": identical, "prefix_tokens": prefix, "identical_fraction": sum(identical) / len(identical)}
+
+
 class Engine:
     """Decodes with one model; keeps compiled executables between calls."""
 
@@ -459,6 +468,9 @@ class Engine:
             stats.update({"draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
             if shape.rapid.lossy:
                 stats["lossy"] = shape.rapid.lossy_label
+                greedy = shape.sampling.temperature <= 0
+                stats["lossless_agreement"] = lossless_agreement(to_host(state.lossless_diverged_at), counts) \
+                    if greedy else None
             return GenerationResult(rows, stats)
         if shape.tree is None:
             # The steps are fused; the split is loop_steps x the phases timed alone at these shapes.

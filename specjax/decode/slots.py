@@ -177,6 +177,11 @@ class SlotState:
     retrieval cache, or rapid+block's drafter context."""
     drafting_previous: jax.Array | None = None
     """[S] int32: the token before last_token, which a rapid step rewrites first."""
+    lossless_diverged_at: jax.Array | None = None
+    """[S] int32, under lossy knowledge transfer (RapidConfig.eta > 0) only: on a greedy row, the
+    generated tokens before the first one that is not the target's own greedy choice, i.e. where the
+    output leaves the lossless run's (-1: not yet). Up to that token both runs read the same prefix,
+    so this is the exact agreement with a lossless run, measured at no extra cost."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +261,8 @@ def empty_slots(statics: SlotStatics) -> SlotState:
             drafting_lengths=jnp.zeros((s,), jnp.int32), drafting_previous=jnp.zeros((s,), jnp.int32))),
         **({} if not statics.drafting_length or statics.rapid is None else dict(
             drafting_cache=KVCache.zeros(statics.target_config, s, statics.drafting_length))),
+        **({} if statics.rapid is None or not statics.rapid.lossy else dict(
+            lossless_diverged_at=jnp.full((s,), -1, jnp.int32))),
     )
 
 
@@ -385,6 +392,8 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         drafter_window=put(state.drafter_window, jnp.zeros((count,), jnp.int32)),
         target_cache=put(state.target_cache, cache),
     )
+    if state.lossless_diverged_at is not None:  # the first token is the target's own (no transfer at prefill)
+        fresh["lossless_diverged_at"] = put(state.lossless_diverged_at, jnp.full((count,), -1, jnp.int32))
     # Without drafting prompts, a drafting-context row's context is left for refresh_drafting, which
     # must fill it before the row's next step: a server compiles the two apart, one program per
     # prompt bucket plus one per drafting bucket, rather than one per pair of them.
@@ -538,12 +547,28 @@ def _rapid_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     n, next_token = jax.lax.cond(sampled, sampled_acceptance, lambda: accept_greedy(draft, verify_logits))
     n, next_token = _within_limit(n, next_token, draft, state.draft_limit)
     live = ~state.done
+    if transfer:
+        state = state.replace(lossless_diverged_at=_lossless_divergence(state, draft, n, next_token, out.logits))
     previous = jnp.where(n > 0, jnp.take_along_axis(draft, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0],
                          state.last_token)
     state = state.replace(drafting_cache=drafting_cache,
                           drafting_lengths=state.drafting_lengths + live * (n + 1),
                           drafting_previous=jnp.where(live, previous, state.drafting_previous))
     return _commit(state, draft, n, next_token, keys, out.cache, state.context_cache, statics, drafted=drafts)
+
+
+def _lossless_divergence(state: SlotState, draft, n, next_token, target_logits) -> jax.Array:
+    """SlotState.lossless_diverged_at after a lossy step: greedy rows compare the tokens the step
+    commits (draft [S, K] up to n [S], then next_token) with the target's own argmax at each of
+    those positions (target_logits [S, K + 1, V], unshifted)."""
+    width = draft.shape[1] + 1
+    at = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, K + 1]
+    committed = jnp.where(at < n[:, None], jnp.pad(draft, ((0, 0), (0, 1))), next_token[:, None])  # [S, K + 1]
+    own = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K + 1]
+    differs = (committed != own) & (at <= n[:, None])
+    checked = ~state.done & (state.sampling.temperature <= 0) & (state.lossless_diverged_at < 0)
+    first = jnp.argmax(differs, axis=1).astype(jnp.int32)  # [S] first differing token of the step
+    return jnp.where(checked & differs.any(axis=1), state.num_generated + first, state.lossless_diverged_at)
 
 
 def _within_limit(n, next_token, drafts, limit):

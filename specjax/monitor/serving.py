@@ -87,6 +87,13 @@ class ServingMetrics:
         self.drafter_drops = Counter("specjax:drafter_states_dropped",
                                      "Requests whose drafter state was dropped under KV pressure (they go on "
                                      "without drafts)", registry=r)
+        self.lossy_checked = Counter("specjax:lossy_requests_checked",
+                                     "Greedy requests under a lossy option, by whether their whole output equals "
+                                     "the lossless run's", ["identical"], registry=r)
+        self.lossy_agreement_ratio = Gauge("specjax:lossy_agreement_ratio",
+                                           "Share of the last 64 lossy greedy requests whose output equals the "
+                                           "lossless run's", registry=r)
+        self._lossy: list[float] = []
         self.drafter_windows = Counter("specjax:drafter_states_windowed",
                                        "Requests whose drafter was windowed to its recent context under KV pressure "
                                        "(they go on speculating)", registry=r)
@@ -185,6 +192,12 @@ class ServingMetrics:
 
     def drafter_state_windowed(self) -> None:
         self.drafter_windows.inc()
+
+    def lossy_agreement(self, identical: bool) -> None:
+        self.lossy_checked.labels(identical=str(identical).lower()).inc()
+        self._lossy.append(1.0 if identical else 0.0)
+        del self._lossy[:-64]
+        self.lossy_agreement_ratio.set(sum(self._lossy) / len(self._lossy))
 
     def finished(self, reason: str, e2e_seconds: float, record: dict | None = None) -> None:
         self.requests.labels(finished_reason=reason).inc()

@@ -342,6 +342,8 @@ class _Synced(NamedTuple):
     """[S] draft tokens checked."""
     drafting_lengths: Any
     """[S] drafting-context slots (rapid, rapid+block), or None."""
+    lossless_diverged_at: Any = None
+    """[S] where lossy rows left the lossless run (SlotState.lossless_diverged_at), or None."""
 
 
 class Scheduler:
@@ -1140,7 +1142,8 @@ class Scheduler:
         # One transfer for everything the sync reads (the drafting contexts' lengths too, when kept).
         synced = jax.device_get(_Synced(
             state.tokens, state.num_generated, state.done, state.steps, state.accepted_histogram, state.lengths,
-            state.drafted, state.drafting_lengths if self.drafts_from_retrieval else None))
+            state.drafted, state.drafting_lengths if self.drafts_from_retrieval else None,
+            state.lossless_diverged_at))
         now = time.perf_counter()
         if step is not None:
             self._report_step(now - step[0], step[1], step[2], synced.steps, synced.drafted, step[3])
@@ -1197,6 +1200,10 @@ class Scheduler:
         block = self.statics.block
         ids = live.resumed + tokens[slot, : int(counts[slot])].tolist()  # every token of the request so far
         count = len(ids)
+        carry = live.handle._carry
+        if synced.lossless_diverged_at is not None and int(synced.lossless_diverged_at[slot]) >= 0:
+            # Counted from the request's first token: a resumed row's tokens so far are in its prompt.
+            carry.setdefault("lossless_diverged_at", len(live.resumed) + int(synced.lossless_diverged_at[slot]))
         new = ids[live.emitted:]
         reason = None
         text_delta = ""
@@ -1271,7 +1278,7 @@ class Scheduler:
             "preemptions": live.handle._carry.get("preemptions", 0),
             "drafter_state_dropped": not live.holds_drafter,
             "drafter_windowed": live.drafter_window > 0,
-            **({"lossy": self.statics.rapid.lossy_label}
+            **({"lossy": self.statics.rapid.lossy_label, "lossless_agreement": self._lossless_agreement(live, ids)}
                if self.statics.rapid is not None and self.statics.rapid.lossy else {}),
             # Quality beside speed: high acceptance from degenerate repetition shows as low distinct-n.
             "distinct_2": distinct_n(ids, 2),
@@ -1290,6 +1297,18 @@ class Scheduler:
                 "draft_tokens": live.drafted_reported,
             }
         return out
+
+    def _lossless_agreement(self, live: _Live, ids) -> dict | None:
+        """A lossy greedy request against the lossless run: the tokens before the first that differs
+        (SlotState.lossless_diverged_at) and whether the whole output is the lossless one; None for a
+        sampled request, whose lossless run is a draw of its own."""
+        if live.handle.request.temperature > 0:
+            return None
+        diverged = live.handle._carry.get("lossless_diverged_at")
+        prefix = len(ids) if diverged is None else min(diverged, len(ids))
+        agreement = {"identical": prefix == len(ids), "prefix_tokens": prefix}
+        self.metrics.lossy_agreement(agreement["identical"])
+        return agreement
 
     def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted, policy: str) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
