@@ -394,6 +394,50 @@ def test_kv_pressure_windows_or_drops_then_preempts_and_outputs_stay_exact(targe
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_request_that_does_not_fit_beside_a_running_one_waits(target, drafter):
+    """Admission counts what the running requests hold: a 14-token prompt that would take a request
+    of 24 prompt tokens past the budget's high water mark waits until that request finishes (at 34
+    tokens), so nothing has to be windowed, dropped or preempted; both outputs are AR's. (The first
+    request of an admission batch used to be let in unchecked.)"""
+    import time
+
+    from specjax.decode.memory import drafter_state_breakdown, target_kv_bytes
+
+    # Both caches count: a token holds the target's K/V and the drafter's context entry.
+    per_token = target_kv_bytes(TINY, 1, 1) + drafter_state_breakdown(drafter.config, 1, 64)["drafter_bytes_per_token"]
+    scheduler = _adaptive(target, drafter, kv_budget_bytes=40 * per_token, kv_high_water=0.9, probe_every=0)
+    long_prompt = tuple((i * 7 + 3) % TINY.vocab_size for i in range(24))
+    prompts, limits = [long_prompt, tuple(PROMPTS[2]) + tuple(PROMPTS[4]) + tuple(PROMPTS[5])], [10, 6]
+    try:
+        first = scheduler.submit(Request(prompts[0], max_tokens=limits[0], temperature=0.0))
+        deadline = time.perf_counter() + 120
+        while scheduler.num_running == 0 and not first.done and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        second = scheduler.submit(Request(prompts[1], max_tokens=limits[1], temperature=0.0))
+        results = [first.result(timeout=300), second.result(timeout=300)]
+        registry = scheduler.metrics.registry
+        relief = {name: registry.get_sample_value(f"specjax:{name}_total")
+                  for name in ("preemptions", "drafter_states_dropped", "drafter_states_windowed")}
+    finally:
+        scheduler.shutdown()
+    assert relief == {"preemptions": 0, "drafter_states_dropped": 0, "drafter_states_windowed": 0}, relief
+    expected = Engine(target).generate([list(p) for p in prompts], max(limits)).tokens
+    for result, whole, limit in zip(results, expected, limits):
+        assert result.token_ids == whole[:limit]
+
+    # The same rule with the first request caught holding a slot: decoding, and still prefilling its
+    # prompt in chunks (8 of its 24 tokens in the cache so far, all 24 counted).
+    from specjax.serve.scheduler import _Live
+
+    second_request = Request(prompts[1], max_tokens=limits[1])
+    for filled in (len(long_prompt) + 1, 8):
+        scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=min(filled, len(long_prompt)))}
+        scheduler._lengths[0] = filled
+        assert not scheduler._memory_allows([], second_request, 0), filled
+    scheduler._live = {}
+    assert scheduler._memory_allows([], second_request, 0)  # alone, it is admitted
+
+
 def test_memory_relief_drops_drafter_states_before_it_preempts():
     """Drafter states go first (newest, and non-speculating rows, first); preemption covers only what
     the staying rows' drafter states cannot; one request always stays."""

@@ -990,23 +990,27 @@ class Scheduler:
         handle._push(result=RequestResult([], "", reason, error, {"e2e_s": e2e, "queue_s": e2e}))
         self.metrics.finished(reason, e2e)
 
-    def _memory_allows(self, live: list[_Live], request: Request, resumed: int) -> bool:
+    def _memory_allows(self, batch: list[_Live], request: Request, resumed: int) -> bool:
         """Under a KV budget, admit only while no alarm is raised and the request's tokens fit below
-        the high water mark (a request alone is always admitted, so nothing waits forever)."""
+        the high water mark beside what the running requests and this admission's batch hold (a
+        request alone is always admitted, so nothing waits forever)."""
         budget = self.controller.kv_budget
-        if not budget or not live:
+        if not budget or not (batch or self._live):
             return True
         if self.memory_state is not None and self.memory_state.alarm:
             return False
         target, drafter = self._bytes_per_token["target"], self._bytes_per_token.get("drafter", 0)
         # A drafting context (rapid, rapid+block) holds the drafting prompt, not the full one.
         drafting = self._drafting_lengths if self.drafts_from_retrieval else self._lengths
-        held = sum(int(self._lengths[slot]) * target + live.drafting_held(int(drafting[slot])) * drafter
-                   for slot, live in self._live.items())
+        # A row still prefilling its prompt in chunks holds only the chunks so far; it will hold all of it.
+        held = sum(max(int(self._lengths[slot]), len(row.prompt)) * target
+                   + row.drafting_held(max(int(drafting[slot]), len(row.drafting_prompt if self.drafts_from_retrieval
+                                                                   else row.prompt))) * drafter
+                   for slot, row in self._live.items())
         own = request.prompt if request.drafting_prompt is None or not self.drafts_from_retrieval \
             else request.drafting_prompt
         held += sum(len(x.prompt) * target + len(x.drafting_prompt if self.drafts_from_retrieval else x.prompt) * drafter
-                    for x in live)
+                    for x in batch)
         held += (len(request.prompt) + resumed) * target + (len(own) + resumed) * drafter
         return held <= self.config.controller.kv_high_water * budget
 
