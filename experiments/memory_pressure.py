@@ -1,11 +1,12 @@
 """Serving under KV memory pressure (issue 16, item 8): long prompts whose KV exceeds the budget.
 
 SmolLM2 with its committed drafter (full attention), served by `Scheduler`s in this process:
-`--slots` slots of `--context-length` tokens. The requests are long-context questions built from
-the corpora (`specjax/data/longbench.py`: a KJV verse, a play's speaker, a needle in Austen) of
-about `--context` tokens each, greedy, `--max-tokens` new tokens, arriving at `--rate` per second
-(Poisson, seeded). The KV budget (`--kv-budget-mib`, default: `--budget-requests` whole requests'
-target KV) is far below what the slots can hold, so the server must choose what to keep.
+`--slots` slots of `--context-length` tokens. The requests are passages of about `--context`
+tokens from the corpora (the documents of `specjax/data/longbench.py`'s tasks: KJV chapters, plays,
+Austen), each asking for a detailed retelling, greedy, up to `--max-tokens` new tokens, arriving at
+`--rate` per second (Poisson, seeded). The KV budget (`--kv-budget-mib`, default:
+`--budget-requests` whole requests' target KV at their longest) is far below what the slots can
+hold, and the answers grow after admission, so the server must choose what to keep.
 
 Configurations, each its own scheduler, all given the same requests at the same arrival times,
 taking turns for `--reps` rounds (the order rotated each round, so this host's drift falls on each
@@ -14,6 +15,8 @@ alike):
   the high water mark drafters windowed (`--relief-window`), drafter states dropped, and the newest
   requests preempted (recomputed later);
 - `adaptive, no window`: the same without windowing, to see what it adds;
+- `adaptive, recompute`: preempted requests recomputed from their tokens so far instead of parked on
+  the host (`--preemption`), to see what parking keeps;
 - `tree, budget`: the fixed tree under the same budget and memory manager;
 - `tree, no budget`: the fixed tree with no memory control, what a fixed policy does: it holds
   whatever its slots fill, and the most it held is set against the budget (past it, a device with
@@ -39,7 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIGS = ("adaptive", "adaptive, no window", "tree, budget", "tree, no budget", "ar, no budget")
+CONFIGS = ("adaptive", "adaptive, no window", "adaptive, recompute", "tree, budget", "tree, no budget",
+           "ar, no budget")
+
+
+RETELL = "Retell the passage above in detail, in your own words."
+"""The instruction every request ends with: answers that run long, so KV grows after admission."""
 
 
 def build_requests(model, context: int, per_task: int, seed: int) -> list[list[int]]:
@@ -47,7 +55,7 @@ def build_requests(model, context: int, per_task: int, seed: int) -> list[list[i
     from specjax.data.retrieval import long_context_prompt
 
     tasks = build_tasks(model.tokenizer, context, per_task, seed)
-    return [long_context_prompt(model.tokenizer, t.context, t.question).full for t in tasks]
+    return [long_context_prompt(model.tokenizer, t.context, RETELL).full for t in tasks]
 
 
 def scheduler_for(name: str, model, drafter, args, budget_bytes: int):
@@ -59,7 +67,8 @@ def scheduler_for(name: str, model, drafter, args, budget_bytes: int):
     window = None if "no window" in name else args.relief_window
     controller = ControllerConfig(kv_budget_bytes=budget, relief_window=window)
     config = ServeConfig(method=method, slots=args.slots, context_length=args.context_length,
-                         max_new_tokens=args.max_tokens, controller=controller, max_queue=args.max_queue)
+                         max_new_tokens=args.max_tokens, controller=controller, max_queue=args.max_queue,
+                         preemption="recompute" if "recompute" in name else args.preemption)
     scheduler = Scheduler(model, None if method == "ar" else drafter, config)
     scheduler.wait_compiled()
     return scheduler
@@ -119,22 +128,30 @@ def summarise(round_: dict, reference: list[list[int]]) -> dict:
         "preemptions": round_["preemptions"], "windows": round_["drafter_states_windowed"],
         "drops": round_["drafter_states_dropped"], "tau": committed / steps if steps else None,
         "identical_to_ar": sum(r is not None and r.token_ids == want for r, want in zip(results, reference)),
+        # Per request: what memory pressure did to it, and where its output first differs from AR's.
+        "requests": [None if r is None else {
+            "tokens": len(r.token_ids), "preemptions": r.metrics.get("preemptions", 0),
+            "windowed": r.metrics.get("drafter_windowed"), "dropped": r.metrics.get("drafter_state_dropped"),
+            "first_difference": next((i for i, (a, b) in enumerate(zip(r.token_ids, want)) if a != b),
+                                     None if r.token_ids == want else min(len(r.token_ids), len(want)))}
+            for r, want in zip(results, reference)],
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=768, help="document tokens per request")
+    parser.add_argument("--context", type=int, default=512, help="document tokens per request")
     parser.add_argument("--per-task", type=int, default=4, help="requests of each task kind (3 kinds)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (Poisson)")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--kv-budget-mib", type=float, default=None)
-    parser.add_argument("--budget-requests", type=float, default=3.0,
+    parser.add_argument("--budget-requests", type=float, default=2.5,
                         help="without --kv-budget-mib: the budget holds this many requests' target KV")
     parser.add_argument("--relief-window", type=int, default=256)
     parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--preemption", default="park", choices=["park", "recompute"])
     parser.add_argument("--configs", default=",".join(c.replace(", ", ":") for c in CONFIGS),
                         help="which configurations, comma-separated, ', ' written ':'")
     parser.add_argument("--reps", type=int, default=2)
@@ -197,7 +214,7 @@ def main(argv=None) -> int:
         values = [r[key] for r in rounds[name] if r[key] is not None]
         return float(np.mean(values)) if values else None
 
-    keys = list(rounds[configs[0]][0])
+    keys = [k for k in rounds[configs[0]][0] if k != "requests"]
     table = {name: {k: mean(name, k) for k in keys} for name in configs}
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f}"  # noqa: E731
     lines = [f"Budget {budget / 2**20:.1f} MiB; {len(prompts)} requests; means over {args.reps} rounds.", "",

@@ -513,7 +513,8 @@ def cmd_serve(args) -> int:
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
                          prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
                          snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
-                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length)
+                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
+                         preemption=args.preemption)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
                           mesh=_mesh(args))
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
@@ -975,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--relief-window", type=int, default=256,
                      help="under --kv-budget-mib pressure: context positions a full-attention drafter keeps reading "
                           "once windowed (0: never window; drop the drafter state instead)")
+    srv.add_argument("--preemption", choices=["park", "recompute"], default="park",
+                     help="a request preempted under --kv-budget-mib: park its slot's state in host memory and write "
+                          "it back (exact at any precision), or recompute its tokens so far (no host memory)")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")

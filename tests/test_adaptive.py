@@ -304,10 +304,10 @@ from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E40
 
 
 def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, metrics_log=None,
-              snapshot_every=1.0, **controller):
+              snapshot_every=1.0, preemption="park", **controller):
     config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
                          prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree,
-                         snapshot_every=snapshot_every)
+                         snapshot_every=snapshot_every, preemption=preemption)
     return Scheduler(target, drafter, config, compile_now=False, latency_cache=latency_cache, metrics_log=metrics_log)
 
 
@@ -342,20 +342,21 @@ def test_an_adaptive_server_switches_mid_request_and_stays_exact(target, drafter
     assert "specjax:controller_predicted_tokens_per_step" in text and 'specjax:output_distinct_n{n="2"}' in text
 
 
-@pytest.mark.parametrize("relief_window", [None, 4])
-def test_kv_pressure_windows_or_drops_then_preempts_and_outputs_stay_exact(target, drafter, tmp_path, relief_window):
+@pytest.mark.parametrize("relief_window, preemption", [(None, "recompute"), (4, "park")])
+def test_kv_pressure_windows_or_drops_then_preempts_and_outputs_stay_exact(target, drafter, tmp_path, relief_window,
+                                                                           preemption):
     """A budget of 40 tokens' target KV for three requests that grow to about 30 tokens each: with a
     relief window the drafters are windowed to their last 4 positions first; without one drafter
-    states go first; then the newest rows are preempted and recomputed later, and every greedy
-    output is still AR's. The run log's report shows the budget, the windows or the drops, and the
-    preemptions."""
+    states go first; then the newest rows are preempted, parked on the host and written back (or
+    recomputed from their tokens so far), and every greedy output is still AR's. The run log's
+    report shows the budget, the windows or the drops, and the preemptions."""
     from specjax.decode.memory import target_kv_bytes
     from specjax.monitor.report import plot_report, read_run_log, summarize
 
     per_token = target_kv_bytes(TINY, 1, 1)
     log = tmp_path / "run.jsonl"
     scheduler = _adaptive(target, drafter, kv_budget_bytes=40 * per_token, kv_high_water=0.9, probe_every=0,
-                          relief_window=relief_window, metrics_log=log, snapshot_every=0.01)
+                          relief_window=relief_window, metrics_log=log, snapshot_every=0.01, preemption=preemption)
     limits = [24, 24, 24]
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0))
@@ -368,6 +369,10 @@ def test_kv_pressure_windows_or_drops_then_preempts_and_outputs_stay_exact(targe
     for result, whole, limit in zip(results, expected, limits):
         assert result.token_ids == whole[:limit]
     assert sum(r.metrics["preemptions"] for r in results) >= 1
+    # A parked request is written back, not prefilled again; a recomputed one prefills its prompt again.
+    prefilled = scheduler.metrics.registry.get_sample_value("specjax:prompt_tokens_total")
+    prompt_tokens = sum(len(p) for p in PROMPTS[2:5])
+    assert prefilled == prompt_tokens if preemption == "park" else prefilled > prompt_tokens
     dropped = sum(r.metrics["drafter_state_dropped"] for r in results)
     drops = scheduler.metrics.registry.get_sample_value("specjax:drafter_states_dropped_total")
     windows = scheduler.metrics.registry.get_sample_value("specjax:drafter_states_windowed_total")

@@ -868,6 +868,17 @@ def run_to_end(parts: SlotParts, state: SlotState, *, method: str, statics: Slot
 
 
 @partial(jax.jit, donate_argnames=("state",))
+def take_row(state: SlotState, slot) -> SlotState:
+    """Slot `slot`'s whole state (caches included), every array without its slot axis: what a
+    preempted request parks on the host and `put_row` writes back."""
+    return jax.tree.map(lambda whole: whole[slot], state)
+
+
+def put_row(state: SlotState, row: SlotState, target) -> SlotState:
+    """Write a row taken by `take_row` into slot `target`: its request goes on exactly where it was."""
+    return jax.tree.map(lambda whole, part: whole.at[target].set(part), state, row)
+
+
 def move_row(state: SlotState, source, target) -> SlotState:
     """Copy slot `source`'s whole state (caches included) to slot `target`; source is then free."""
     return jax.tree.map(lambda whole: whole.at[target].set(whole[source]), state)

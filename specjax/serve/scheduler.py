@@ -92,6 +92,12 @@ class ServeConfig:
     computed (live rows are kept packed in the lowest slots). None: the powers of four below `slots`
     (1, 4, 16, ...) and `slots` itself. Each bucket adds a compiled step per attention
     length."""
+    preemption: str = "park"
+    """How a request preempted under the KV budget comes back: "park" copies its slot's whole state
+    (KV caches included) to host memory and back into a free slot, so it goes on bit for bit where it
+    stopped; "recompute" re-prefills its prompt and its tokens so far, as vLLM's default does, which
+    needs no host memory, but in bf16 the recomputed K/V round differently from those the decode
+    steps wrote, and can change the tokens that follow."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
@@ -123,6 +129,8 @@ class ServeConfig:
                        insert_rows=self.insert_rows)
         if self.drafting_length is not None:
             check_at_least(1, drafting_length=self.drafting_length)
+        if self.preemption not in ("park", "recompute"):
+            raise SpecjaxError(f"preemption must be 'park' or 'recompute', got {self.preemption!r}")
         check_at_least(0, prefill_chunk=self.prefill_chunk)
         if not self.snapshot_every > 0:
             raise SpecjaxError(f"snapshot_every must be positive seconds, got {self.snapshot_every}")
@@ -192,6 +200,8 @@ class RequestHandle:
         # Carried across a preemption: the tokens streamed so far and the counters of earlier residencies.
         self._resume: list[int] = []
         self._carry: dict[str, Any] = {}
+        self._parked: tuple[Any, Any] | None = None
+        """Parked on the host by a preemption: (its slot's state row, its _Live bookkeeping)."""
 
     # ---- called by the scheduler thread ----
 
@@ -540,15 +550,19 @@ class Scheduler:
         return batch_major if self.mesh is None else shard_state(batch_major, self.mesh)
 
     def _program(self, kind: str, **static):
-        """The jitted step, insert or move_row with these static arguments, the state donated and,
-        over a mesh, its layout pinned. Kept per process (_PROGRAMS), so schedulers of the same
+        """The jitted step, insert, move_row, put_row or take_row with these static arguments, the
+        state donated (take_row only reads it) and, over a mesh, its layout pinned. Kept per process (_PROGRAMS), so schedulers of the same
         shapes and layout share jit's cache and compile each shape once, as the module's jits do."""
         key = (kind, self._layout, *sorted(static.items()))
         if key not in _PROGRAMS:
             function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row,
+                        "put_row": slot_api.put_row, "take_row": slot_api.take_row,
                         "refresh_drafting": slot_api.refresh_drafting}[kind]
-            donated = 0 if kind == "move_row" else 1  # move_row(state, source, target); the others (parts, state, ...)
-            _PROGRAMS[key] = jax.jit(partial(function, **static), donate_argnums=donated, **self._pinned)
+            # move_row(state, source, target) and put_row(state, row, target); take_row(state, slot) reads
+            # only; the others (parts, state, ...)
+            donated = {"move_row": 0, "put_row": 0, "take_row": ()}.get(kind, 1)
+            pinned = {} if kind == "take_row" else self._pinned  # its output is one row, not the state
+            _PROGRAMS[key] = jax.jit(partial(function, **static), donate_argnums=donated, **pinned)
         return _PROGRAMS[key]
 
     def _buckets(self) -> tuple[int, ...]:
@@ -1015,9 +1029,19 @@ class Scheduler:
         return held <= self.config.controller.kv_high_water * budget
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, up to insert_rows of them per device call."""
+        """Prefill waiting requests into free slots, up to insert_rows of them per device call.
+        Requests parked by a preemption (at the head of the queue) are written back first."""
         free = [s for s in range(self.config.slots) if s not in self._live]
         admitted = False
+        while free and self._waiting:
+            with self._lock:
+                handle, _ = self._waiting[0]
+                row = None if handle._parked is None else handle._parked[0]
+                if row is None or not self._memory_allows([], handle.request, int(row.num_generated)):
+                    break
+                self._waiting.popleft()
+            self._restore(free.pop(0), handle)
+            admitted = True
         while free:
             batch: list[tuple[int, _Live]] = []
             with self._lock:
@@ -1392,10 +1416,37 @@ class Scheduler:
         log.info("windowed the drafter of request %d to its last %d positions: KV bytes past the high water mark",
                  live.handle.id, live.drafter_window)
 
+    def _restore(self, slot: int, handle: RequestHandle) -> None:
+        """Write a parked request's state row back into a free slot; it decodes on where it stopped."""
+        row, live = handle._parked
+        handle._parked = None
+        self._state = self._program("put_row")(self._state, jax.device_put(row), slot)
+        self._lengths[slot] = int(row.lengths)
+        if self.drafts_from_retrieval:
+            self._drafting_lengths[slot] = int(row.drafting_lengths)
+        live.admitted = time.perf_counter()
+        pin = self._pin_for(handle.request)
+        if pin is not None:
+            self._pins[slot] = pin
+        self._live[slot] = live
+        self.metrics.queue_depth(len(self._live), len(self._waiting))
+        log.info("restored request %d from the host at %d tokens", handle.id, int(row.num_generated))
+
     def _preempt(self, slot: int) -> None:
         live = self._live.pop(slot)
         self._pins.pop(slot, None)
         handle = live.handle
+        if self.config.preemption == "park":
+            # The row's whole state goes to the host as it is: restored, the request goes on bit for bit.
+            handle._parked = (jax.device_get(self._program("take_row")(self._state, slot)), live)
+            handle._carry["preemptions"] = handle._carry.get("preemptions", 0) + 1
+            with self._lock:
+                self._waiting.appendleft((handle, live.arrived))
+            self.metrics.preempted()
+            self.metrics.queue_depth(len(self._live), len(self._waiting))
+            log.info("preempted request %d at %d tokens, parked on the host: KV bytes past the high water mark",
+                     handle.id, live.emitted)
+            return
         handle._resume = [t for chunk in handle._chunks for t in chunk.token_ids]
         histogram = live.histogram_reported if live.histogram_reported is not None else 0
         carry = handle._carry
