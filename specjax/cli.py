@@ -972,7 +972,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-budget-mib", type=float, default=None,
                      help="KV bytes the server may hold: admission pauses when growth is projected to reach it; past "
                           "90%% of it drafters are windowed to their recent context (--relief-window), then drafter "
-                          "states dropped, then the newest requests preempted (recomputed later)")
+                          "states dropped, then the newest requests preempted (--preemption)")
     srv.add_argument("--relief-window", type=int, default=256,
                      help="under --kv-budget-mib pressure: context positions a full-attention drafter keeps reading "
                           "once windowed (0: never window; drop the drafter state instead)")

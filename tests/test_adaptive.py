@@ -442,6 +442,23 @@ def test_a_request_that_does_not_fit_beside_a_running_one_waits(target, drafter)
     scheduler._live = {}
     assert scheduler._memory_allows([], second_request, 0)  # alone, it is admitted
 
+    # A request parked by a preemption (its row on the host) that does not fit yet stays parked at the
+    # head of the queue: it is neither prefilled from scratch nor overtaken, though its prompt alone
+    # would fit.
+    from specjax.serve.scheduler import RequestHandle
+
+    scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=len(long_prompt))}
+    scheduler._lengths[0] = len(long_prompt)
+    parked = RequestHandle(99, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
+    row = jax.device_get(scheduler._program("take_row")(scheduler._state, 1))
+    parked._parked = (row.replace(num_generated=np.int32(20), lengths=np.int32(22)), _Live(parked, 0.0, 0.0))
+    behind = RequestHandle(100, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
+    scheduler._waiting.extend([(parked, 0.0), (behind, 0.0)])
+    assert scheduler._memory_allows([], parked.request, 0) and not scheduler._memory_allows([], parked.request, 20)
+    scheduler._admit()
+    assert list(scheduler._live) == [0] and parked._parked is not None
+    assert [h for h, _ in scheduler._waiting] == [parked, behind]
+
 
 def test_memory_relief_drops_drafter_states_before_it_preempts():
     """Drafter states go first (newest, and non-speculating rows, first); preemption covers only what

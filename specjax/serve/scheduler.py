@@ -1048,7 +1048,10 @@ class Scheduler:
                 while self._waiting and len(batch) < min(len(free), self.insert_rows):
                     handle, arrived = self._waiting[0]
                     request = handle.request
-                    if not self._memory_allows([x for _, x in batch], request, len(handle._resume)):
+                    # A parked request waits at the head until it can be written back (above): it holds
+                    # tokens it must not prefill again, and nothing behind it goes first.
+                    if handle._parked is not None or not self._memory_allows([x for _, x in batch], request,
+                                                                             len(handle._resume)):
                         break
                     self._waiting.popleft()
                     seed = handle._carry.get("seed")
