@@ -488,7 +488,8 @@ def test_memory_relief_windows_drafters_before_it_drops_or_preempts():
             HeldRow(3, 3.0, 80, True, speculating=False)]
     per = {"target": 10, "drafter": 1}
     plan = lambda excess, rows=rows: relieve_memory(rows, per, excess, drafter_window=20)  # noqa: E731
-    assert (plan(30).window_drafter, plan(30).drop_drafter, plan(30).preempt, plan(30).freed_bytes) == ((0,), (), (), 80)
+    first = plan(30)
+    assert (first.window_drafter, first.drop_drafter, first.preempt, first.freed_bytes) == ((0,), (), (), 80)
     assert (plan(100).window_drafter, plan(100).drop_drafter, plan(100).freed_bytes) == ((0, 1), (), 110)
     # The non-speculating row is not windowed (dropping its state loses nothing), and goes first after.
     assert (plan(150).window_drafter, plan(150).drop_drafter, plan(150).preempt) == ((0, 1), (3,), ())

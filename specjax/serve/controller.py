@@ -194,7 +194,8 @@ def relieve_memory(rows: Sequence[HeldRow], bytes_per_token: dict[str, int], exc
     1. with drafter_window, windowing: speculating rows whose drafter holds more context than the
        window keep only the window (longest first); speculation goes on at a shorter context;
     2. preemption of the newest requests, only for what the drafter states of the rows that stay
-       cannot cover (recomputing a request is work lost);
+       cannot cover (a preempted request stops until the budget has room, and is parked on the host
+       or recomputed);
     3. drafter states dropped, newest request first and non-speculating rows before all (the row
        loses speculation, no work).
     One request always stays, so the server makes progress (a request alone is never preempted)."""

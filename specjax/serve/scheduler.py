@@ -551,8 +551,9 @@ class Scheduler:
 
     def _program(self, kind: str, **static):
         """The jitted step, insert, move_row, put_row or take_row with these static arguments, the
-        state donated (take_row only reads it) and, over a mesh, its layout pinned. Kept per process (_PROGRAMS), so schedulers of the same
-        shapes and layout share jit's cache and compile each shape once, as the module's jits do."""
+        state donated (take_row only reads it) and, over a mesh, its layout pinned. Kept per process
+        (_PROGRAMS), so schedulers of the same shapes and layout share jit's cache and compile each
+        shape once, as the module's jits do."""
         key = (kind, self._layout, *sorted(static.items()))
         if key not in _PROGRAMS:
             function = {"step": slot_api.step, "insert": slot_api.insert, "move_row": slot_api.move_row,
