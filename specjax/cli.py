@@ -507,7 +507,8 @@ def cmd_serve(args) -> int:
     model = _load_target(args, served=True)
     parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)
     controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
-                                  else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None)
+                                  else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None,
+                                  tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000)
     config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
                          max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
                          max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
@@ -976,6 +977,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--relief-window", type=int, default=256,
                      help="under --kv-budget-mib pressure: context positions a full-attention drafter keeps reading "
                           "once windowed (0: never window; drop the drafter state instead)")
+    srv.add_argument("--tpot-slo-ms", type=float, default=None,
+                     help="adaptive: choose policies by goodput, the tokens/s of rows predicted to meet this time "
+                          "per output token (default: throughput)")
     srv.add_argument("--preemption", choices=["park", "recompute"], default="park",
                      help="a request preempted under --kv-budget-mib: park its slot's state in host memory and write "
                           "it back (exact at any precision), or recompute its tokens so far (no host memory)")

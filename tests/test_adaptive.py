@@ -217,6 +217,29 @@ def test_the_controller_picks_the_longest_chain_at_batch_one_and_ar_at_a_full_ba
     assert values["ar"] == pytest.approx(32 / 1.0) and values["chain"] == pytest.approx(32 * 4.16 / 7.0, rel=0.01)
 
 
+def test_with_a_tpot_slo_the_controller_maximises_goodput():
+    """Under a TPOT SLO the objective is goodput, the tokens/s of rows predicted to meet it. Half the
+    rows opted out of speculation and commit one token per chain step, slower than the SLO: the
+    chain serves more tokens in all, AR more tokens within the SLO."""
+    tau = 1 + sum(0.8**i for i in range(1, 8))
+
+    def decided(slo):
+        controller = Controller(("ar", "chain"), BLOCK, ControllerConfig(probe_every=0, patience=1, tpot_slo_s=slo))
+        controller.mark_ready("ar", {32: 1.0})
+        controller.mark_ready("chain", {32: 2.2})
+        _observe_chain(controller, 0.8, rows=32, seconds=2.2)
+        return controller.decide(32, 128, [None] * 16 + [0] * 16)
+
+    free = decided(None)
+    assert free.policy == "chain"
+    assert free.predicted_tokens_per_s["chain"] == pytest.approx((16 * tau + 16) / 2.2, rel=0.01)
+    bound = decided(1.2)
+    assert bound.policy == "ar" and bound.predicted_tokens_per_s["ar"] == pytest.approx(32.0)
+    assert bound.predicted_tokens_per_s["chain"] == pytest.approx(16 * tau / 2.2, rel=0.01)
+    with pytest.raises(SpecjaxError, match="tpot_slo_s"):
+        ControllerConfig(tpot_slo_s=0.0)
+
+
 def test_rows_that_opted_out_count_one_token_per_step():
     controller = _controller()
     _observe_chain(controller, 0.9)

@@ -5,6 +5,8 @@ Objective: expected committed tokens per second at the current batch,
     value(policy) = sum over live rows of E[tokens per step | policy, row]  /  seconds per step(policy),
 
 Bastion's tree-size rule generalised from one sequence to a batch and to a choice of methods.
+With a TPOT SLO (`ControllerConfig.tpot_slo_s`) the sum runs over the rows predicted to meet it:
+goodput, as SmartSpec chooses.
 
 - E[tokens per step] of a chain verifying k drafts is 1 + sum_{i<=k} prod_{j<=i} c_j, with c_j the
   EMA of the conditional acceptance at draft position j (a step that reached position j-1 and
@@ -79,6 +81,11 @@ class ControllerConfig:
     """Fraction of the budget at which the alarm is raised whatever the growth."""
     kv_horizon_s: float = 3.0
     """Alarm when the bytes in use, growing at their recent rate, would reach the budget this soon."""
+    tpot_slo_s: float | None = None
+    """With a time-per-output-token SLO, the objective is goodput: committed tokens per second of
+    the rows predicted to meet it (a row's predicted TPOT is the step's seconds over its expected
+    tokens per step), as SmartSpec's goodput rule; when no policy lets any row meet it, plain
+    throughput. None: throughput."""
     relief_window: int | None = 256
     """Under memory pressure, a full-attention drafter's rows are first windowed: the drafter reads
     only the row's last this many context positions (SW-SpeedDLM's window, without its summaries),
@@ -100,6 +107,8 @@ class ControllerConfig:
             check_at_least(1, kv_budget_bytes=self.kv_budget_bytes)
         if self.relief_window is not None:
             check_at_least(1, relief_window=self.relief_window)
+        if self.tpot_slo_s is not None and not self.tpot_slo_s > 0:
+            raise SpecjaxError(f"tpot_slo_s must be positive seconds, got {self.tpot_slo_s}")
 
     def policy_set(self, block: int, query_rows: int | None = None) -> tuple[str, ...]:
         """The policies to compile for a drafter of this block (a tree only under padding; `policies`
@@ -358,16 +367,19 @@ class Controller:
         return base * self.drift.get((rows, attend), 1.0)
 
     def predicted(self, rows: int, attend, limits: Sequence[int]) -> dict[str, float]:
-        """Committed tokens per second of every ready policy with a cost at this shape. attend: the
-        attention length, or a mapping from policy to the length it would run at (a policy that
-        writes fewer slots per step fits a shorter one)."""
-        out = {}
+        """Committed tokens per second of every ready policy with a cost at this shape (under a TPOT
+        SLO, goodput: those of the rows predicted to meet it). attend: the attention length, or a
+        mapping from policy to the length it would run at (a policy that writes fewer slots per step
+        fits a shorter one)."""
+        throughput, goodput = {}, {}
+        slo = self.config.tpot_slo_s
         for policy in sorted(self.ready):
             seconds = self.seconds_per_call(policy, rows, attend if isinstance(attend, int) else attend[policy])
             if seconds:
-                tokens = sum(self.tokens_per_row_step(policy, limit) for limit in limits)
-                out[policy] = tokens * self.steps_per_call / seconds
-        return out
+                rates = [self.tokens_per_row_step(policy, limit) * self.steps_per_call / seconds for limit in limits]
+                throughput[policy] = sum(rates)
+                goodput[policy] = sum(r for r in rates if slo is not None and 1.0 / r <= slo)
+        return goodput if slo is not None and any(goodput.values()) else throughput
 
     # ---- the decision ----
 
