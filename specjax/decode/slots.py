@@ -867,7 +867,6 @@ def run_to_end(parts: SlotParts, state: SlotState, *, method: str, statics: Slot
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: one_step(parts, s, statics, None), state)
 
 
-@partial(jax.jit, donate_argnames=("state",))
 def take_row(state: SlotState, slot) -> SlotState:
     """Slot `slot`'s whole state (caches included), every array without its slot axis: what a
     preempted request parks on the host and `put_row` writes back."""
@@ -879,6 +878,7 @@ def put_row(state: SlotState, row: SlotState, target) -> SlotState:
     return jax.tree.map(lambda whole, part: whole.at[target].set(part), state, row)
 
 
+@partial(jax.jit, donate_argnames=("state",))
 def move_row(state: SlotState, source, target) -> SlotState:
     """Copy slot `source`'s whole state (caches included) to slot `target`; source is then free."""
     return jax.tree.map(lambda whole: whole.at[target].set(whole[source]), state)

@@ -33,6 +33,7 @@ from specjax.data.repetition import distinct_n
 from specjax.decode import slots as slot_api
 from specjax.data.retrieval import NEEDS_ENCODER, IndexCache, RetrievalConfig, long_context_prompt
 from specjax.decode.budget import LatencyModel
+from specjax.decode.engine import lossless_agreement
 from specjax.decode.rapid import RapidConfig
 from specjax.decode.refine import RefineConfig
 from specjax.decode.sampling import SamplingConfig
@@ -1336,11 +1337,9 @@ class Scheduler:
         sampled request, whose lossless run is a draw of its own."""
         if live.handle.request.temperature > 0:
             return None
-        diverged = live.handle._carry.get("lossless_diverged_at")
-        prefix = len(ids) if diverged is None else min(diverged, len(ids))
-        agreement = {"identical": prefix == len(ids), "prefix_tokens": prefix}
-        self.metrics.lossy_agreement(agreement["identical"])
-        return agreement
+        agreement = lossless_agreement([live.handle._carry.get("lossless_diverged_at", -1)], [len(ids)])
+        self.metrics.lossy_agreement(agreement["identical"][0])
+        return {"identical": agreement["identical"][0], "prefix_tokens": agreement["prefix_tokens"][0]}
 
     def _report_step(self, seconds: float, attend: int, rows: int, steps, drafted, policy: str) -> None:
         """The device call's time, its estimated phase split, and its work against the machine's peaks."""
