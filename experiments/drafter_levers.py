@@ -1,7 +1,7 @@
 """Drafter levers side by side (issue 14, item 6): the committed drafter trained on in several
 variants, on the same data, for the same steps, each scored the same way.
 
-    python experiments/drafter_levers.py --data runs/drafter-v3/data --steps 1000 \
+    python experiments/drafter_levers.py --data runs/drafter-v3/data [--data MORE ...] --steps 1000 \
         [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4] [--start FOLDER]
 
 A variant is a dash-joined list of settings:
@@ -9,15 +9,16 @@ A variant is a dash-joined list of settings:
   l<N>      N layers: the committed drafter grown by zero-output layers copied from the target's top
             layers (`train/drafter.py:init_from_drafter`; default: the committed depth);
   topk<W>   a share W of the loss against the target's stored top-k distribution instead of its
-            argmax token (`DrafterTrainConfig.topk_weight`; the sets must be built with top-k).
+            argmax token (`DrafterTrainConfig.topk_weight`; the sets must be built with top-k);
+  d<N>      train on the first N `--data` folders only (default: all of them), the data lever.
 For example `--variants b8,b8-topk1,b8-l2` compares argmax cross-entropy, top-k cross-entropy and a
 second layer at block 8.
 
 Each run starts from the committed drafter (or `--start FOLDER`), trains in bf16 with float32 master weights on the
-distillation sets in `--data` (those `specjax train-drafter` wrote: chat, everyday, math, code,
-self_instruct and corpus, whichever exist), and is scored by greedy chain decoding replayed over the
-held-out chat answers in `--data/heldout_chat`, looping ones left out (`chain_walk_tau`). Every run
-sees the same batches of sequences and anchors. Each drafter is written to `--out/<variant>/drafter`,
+distillation sets in each `--data` folder (those `specjax train-drafter` wrote: chat, everyday, math,
+code, self_instruct and corpus, whichever exist), and is scored by greedy chain decoding replayed over
+the held-out chat answers in the first folder's `heldout_chat`, looping ones left out
+(`chain_walk_tau`). Every run on the same data sees the same batches of sequences and anchors. Each drafter is written to `--out/<variant>/drafter`,
 for real decoding with experiments/drafter_compare.py. A rerun resumes each run from its checkpoints.
 """
 
@@ -30,27 +31,30 @@ import re
 from pathlib import Path
 
 TRAIN_SETS = ("chat", "everyday", "math", "code", "self_instruct", "corpus")
-SETTING = re.compile(r"^(b|l|topk)(\d+(?:\.\d+)?)$")
+SETTING = re.compile(r"^(b|l|d|topk)(\d+(?:\.\d+)?)$")
 
 
-def parse_variant(text: str, committed_layers: int) -> dict:
-    """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0}."""
-    variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0}
+def parse_variant(text: str, committed_layers: int, data_folders: int) -> dict:
+    """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0, 'data': data_folders}."""
+    variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0, "data": data_folders}
     for part in text.split("-"):
         match = SETTING.match(part)
         if match is None:
-            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, topk<W>")
+            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, d<N>, topk<W>")
         key, value = match.groups()
         if key == "topk":
             variant["topk_weight"] = float(value)
         else:
-            variant["block" if key == "b" else "layers"] = int(value)
+            variant[{"b": "block", "l": "layers", "d": "data"}[key]] = int(value)
+    if not 1 <= variant["data"] <= data_folders:
+        raise SystemExit(f"variant {text!r}: d{variant['data']} asks for more than the {data_folders} --data folders")
     return variant
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a train-drafter run's data folder")
+    parser.add_argument("--data", required=True, action="append",
+                        help="a train-drafter run's data folder (repeatable; the first one's held-out set scores)")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--variants", default="b8,b16")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
@@ -69,19 +73,24 @@ def main() -> None:
                                        init_from_target_layers, train_drafter, without_looping)
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 
-    data = Path(args.data)
-    sets = [DistillationSet.open(data / name) for name in TRAIN_SETS if (data / name / "meta.json").exists()]
-    if not sets:
-        parser.error(f"{data} holds none of the distillation sets {', '.join(TRAIN_SETS)}")
-    heldout, looping = without_looping(DistillationSet.open(data / "heldout_chat"))
-    print(f"training sets: {sum(s.num_tokens for s in sets):,} labels; held-out chat: {heldout.num_sequences} "
-          f"answers ({looping} looping left out)", flush=True)
+    folders = [Path(d) for d in args.data]
+    sets_by_folder = []
+    for data in folders:
+        found = [DistillationSet.open(data / name) for name in TRAIN_SETS if (data / name / "meta.json").exists()]
+        if not found:
+            parser.error(f"{data} holds none of the distillation sets {', '.join(TRAIN_SETS)}")
+        sets_by_folder.append(found)
+        print(f"{data}: {sum(s.num_tokens for s in found):,} labels", flush=True)
+    heldout, looping = without_looping(DistillationSet.open(folders[0] / "heldout_chat"))
+    print(f"held-out chat: {heldout.num_sequences} answers ({looping} looping left out)", flush=True)
     model = load_model("smollm2", "bfloat16")
     committed = resolve_drafter(args.start, "smollm2")
-    variants = {name: parse_variant(name, committed.config.num_layers) for name in args.variants.split(",")}
+    variants = {name: parse_variant(name, committed.config.num_layers, len(folders))
+                for name in args.variants.split(",")}
     results = {}
     for name, variant in variants.items():
         block, layers = variant["block"], variant["layers"]
+        sets = [s for found in sets_by_folder[: variant["data"]] for s in found]
         config = DrafterConfig.for_target(model.config, num_layers=layers, block_size=block,
                                           num_taps=len(committed.config.target_layer_ids),
                                           anchor_path=committed.config.anchor_path)
@@ -109,6 +118,7 @@ def main() -> None:
         evals = [m for m in metrics if "eval/tau_estimate" in m]
         elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]  # since this process's start
         results[name] = {"variant": variant, "wall_s": elapsed[-1] if elapsed else None,
+                         "train_labels": sum(s.num_tokens for s in sets),
                          "curve": [{"step": 0, "chain_walk_tau": before}] + [
                              {"step": m["step"], "chain_walk_tau": m["eval/tau_estimate"]} for m in evals]}
         print(f"{name}: " + ", ".join(f"step {e['step']} tau {e['chain_walk_tau']:.3f}"

@@ -678,7 +678,7 @@ def cmd_train_drafter(args) -> int:
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
                            init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
-                           mesh=_mesh_config(args))
+                           avoid_prompts_from=tuple(args.avoid_prompts_from or ()), mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
     if args.data_only:
@@ -1096,6 +1096,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--no-anchor-path", action="store_true",
                     help="reach the anchor token only through attention, as DFlash does (for ablations)")
     td.add_argument("--seed", type=int, default=0)
+    td.add_argument("--avoid-prompts-from", action="append", metavar="DATA_DIR",
+                    help="an earlier run's data folder: prompts it answered are not answered again (repeatable; "
+                         "for growing a data set over runs with other seeds)")
     td.add_argument("--data-only", action="store_true", help="stop after making the distillation data")
     td.add_argument("--json", action="store_true")
     _add_mesh_options(td)

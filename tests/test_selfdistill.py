@@ -108,3 +108,56 @@ def test_self_instruct_keeps_the_distinct_clean_requests_the_target_wrote(target
     # The written requests are kept on disk: a rerun resumes and returns the same prompts.
     assert self_instruct_prompts(model.params, TINY, tok, 24, tmp_path / "r.jsonl", GEN, model.eos_token_ids,
                                  seed=1, progress=False) == prompts
+
+
+def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_path, monkeypatch):
+    """Growing a data set with a second seed (`--avoid-prompts-from`): prompts the first run answered
+    are left out, since greedy answers would repeat; the held-out set is still answered in full.
+    Generation and features are replaced by recorders: this checks which prompts reach them."""
+    import dataclasses
+    import types
+
+    import specjax.data.corpora
+    import specjax.train.drafter
+    import specjax.train.selfdistill
+    from specjax.data.prompts import everyday_chat_prompts
+    from specjax.train.recipe import DistillRecipe, build_data
+
+    answered: dict[str, list[tuple[int, ...]]] = {}
+
+    def generate(params, config, ids, path, gen, eos):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for i, prompt in enumerate(ids):
+                f.write(json.dumps({"index": i, "prompt": list(prompt), "generated": [7]}) + "\n")
+        answered[str(path)] = [tuple(p) for p in ids]
+        return types.SimpleNamespace(sequences=len(ids), new_tokens=len(ids), tokens_per_s=1.0, skipped_long_prompts=0)
+
+    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "meta.json").write_text("{}")
+
+    monkeypatch.setattr(specjax.train.selfdistill, "generate_continuations", generate)
+    monkeypatch.setattr(specjax.train.drafter, "build_distillation_set", features)
+    monkeypatch.setattr(specjax.train.drafter.DistillationSet, "open", staticmethod(lambda folder: folder))
+    monkeypatch.setattr(specjax.train.drafter, "without_looping", lambda s: (s, 0))
+    monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
+    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text])
+    model = types.SimpleNamespace(tokenizer=tokenizer, params=None, config=None, eos_token_ids=())
+
+    def everyday(run: str) -> set[tuple[int, ...]]:
+        return set(answered[str(tmp_path / run / "everyday.continuations.jsonl")])
+
+    first = DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=300, seed=0)
+    build_data(model, first, tmp_path / "first", taps=(1,))
+    second = DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=600, seed=1,
+                           avoid_prompts_from=(str(tmp_path / "first"),))
+    build_data(model, second, tmp_path / "second", taps=(1,))
+    fresh = {tuple(ord(c) for c in p) for p in everyday_chat_prompts(600, seed=1)} - everyday("first")
+    assert len(everyday("first")) == 300 and everyday("second") == fresh
+    assert 0 < len(fresh) < 600  # the seeds' draws overlap, so some prompts were left out
+    heldout = [answered[str(tmp_path / run / "heldout_chat.continuations.jsonl")] for run in ("first", "second")]
+    assert heldout[0] == heldout[1] and len(heldout[0]) >= 42
+    with pytest.raises(SpecjaxError, match="no \\*.continuations.jsonl"):
+        build_data(model, dataclasses.replace(second, avoid_prompts_from=(str(tmp_path / "nothing"),)),
+                   tmp_path / "third", taps=(1,))

@@ -117,10 +117,37 @@ _EVERYDAY_TEMPLATES = (
 )
 
 
+# Topics added when the first 1,000 everyday requests had been answered (2026-12-06). A topic that
+# touches the held-out set (`touches_heldout`) is left out rather than trusted to this list.
+_MORE_EVERYDAY_TOPICS = (
+    "the Great Wall of China", "pyramids", "castles", "knights", "pirates", "the Vikings", "the Olympic Games",
+    "the telephone", "the radio", "television", "cameras", "a microscope", "a telescope", "stars", "comets",
+    "black holes", "the sun", "eclipses", "rockets", "astronauts", "satellites", "electric cars", "wind turbines",
+    "nuclear energy", "plastic", "glass", "paper", "cotton", "wool", "silk", "chocolate", "cheese", "honey",
+    "bananas", "potatoes", "tomatoes", "mushrooms", "salt", "sugar", "ice", "caves", "islands", "lakes",
+    "waterfalls", "canyons", "the Arctic", "Antarctica", "the Amazon river", "the Sahara", "the Himalayas",
+    "tigers", "lions", "giraffes", "zebras", "kangaroos", "koalas", "pandas", "bears", "foxes", "rabbits",
+    "squirrels", "bats", "eagles", "parrots", "crows", "ants", "snails", "octopuses", "sharks", "whales",
+    "turtles", "snakes", "camels", "goldfish", "soil", "trees", "flowers", "cactus plants", "seeds", "compost",
+    "skateboarding", "basketball", "baseball", "hiking", "skiing", "board games", "video games", "jigsaw puzzles",
+    "origami", "knitting", "pottery", "sculpture", "dance", "the theater", "movies", "comics", "novels",
+    "newspapers", "the guitar", "drums", "the violin", "an orchestra", "jazz", "opera", "grammar",
+    "punctuation", "dictionaries", "handwriting", "kindness", "courage", "curiosity", "teamwork", "leadership",
+    "saving money", "taxes", "markets", "villages", "bridges", "tunnels", "skyscrapers", "traffic lights",
+    "elevators", "the wheel", "engines", "electric motors", "computers", "keyboards", "smartphones",
+    "algorithms", "binary search", "variables in programming", "loops in programming", "open source software",
+    "the periodic table", "atoms", "molecules", "friction", "energy", "thermometers", "the human eye", "the lungs",
+    "muscles", "blood", "skin", "DNA", "genes", "evolution", "fossils", "the Stone Age", "the Middle Ages",
+    "the Renaissance", "the Industrial Revolution", "democracy", "elections", "the post office", "firefighters",
+    "nurses", "teachers", "farmers", "architects", "engineers", "inventors",
+)
+
+
 def _everyday_space() -> list[str]:
     """Every distinct everyday request (template x topic), the held-out prompts left out."""
     held_out = set(HELDOUT_CHAT_PROMPTS)
-    found = dict.fromkeys(t.format(topic=x) for t in _EVERYDAY_TEMPLATES for x in _EVERYDAY_TOPICS)
+    more = [x for x in _MORE_EVERYDAY_TOPICS if not touches_heldout(x)]
+    found = dict.fromkeys(t.format(topic=x) for t in _EVERYDAY_TEMPLATES for x in _EVERYDAY_TOPICS + tuple(more))
     return [p for p in found if p not in held_out]
 
 

@@ -70,6 +70,10 @@ class DistillRecipe:
     """Blocks per sequence per step."""
     seed: int = 0
     """Seeds prompts, windows, batches and init."""
+    avoid_prompts_from: tuple[str, ...] = ()
+    """Data folders of earlier runs (their `*.continuations.jsonl`): a prompt one of them already
+    answered is not answered again. Greedy answers repeat, so growing a data set over several runs
+    with other seeds would otherwise store some answers twice."""
     dtype: str = "float32"
     """Compute precision of the target (data generation, features, head) and of the drafter's
     forward and backward: bfloat16 feeds bf16 into every dot with float32 accumulation. The drafter's
@@ -124,6 +128,20 @@ def _coverage(data, draft_vocab) -> float:
     return float(np.isin(labels, draft_vocab).mean()) if len(labels) else 0.0
 
 
+def _answered_prompts(folders) -> set[tuple[int, ...]]:
+    """Every prompt (token ids) that the continuation files in these data folders answered."""
+    from specjax.train.selfdistill import read_continuations
+
+    answered = set()
+    for folder in folders:
+        files = sorted(Path(folder).glob("*.continuations.jsonl"))
+        if not files:
+            raise SpecjaxError(f"{folder} holds no *.continuations.jsonl: not a train-drafter data folder")
+        for path in files:
+            answered.update(tuple(prompt) for prompt, _ in read_continuations(path).values())
+    return answered
+
+
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
@@ -150,8 +168,16 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
         built_once(lambda: done(folder), lambda: build_continuations(prompts, folder, what), f"{what} data in {folder}")
         return DistillationSet.open(folder)
 
+    answered_before = _answered_prompts(recipe.avoid_prompts_from)
+
     def build_continuations(prompts: list[str], folder: Path, what: str) -> None:
         ids = [tok.encode_chat(p) for p in prompts]
+        if answered_before and folder.name != "heldout_chat":
+            fresh = [i for i in ids if tuple(i) not in answered_before]
+            if len(fresh) < len(ids):
+                _log(f"{what}: {len(ids) - len(fresh)} of {len(ids)} prompts were answered in an earlier run "
+                     f"({', '.join(recipe.avoid_prompts_from)}); left out")
+            ids = fresh
         _log(f"{what}: greedy continuations of {len(ids)} prompts ({generator.batch_size} rows, refilled as they finish)")
         path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
         report = generate_continuations(model.params, model.config, ids, path, generator, model.eos_token_ids)
