@@ -5,11 +5,17 @@ on the same prompts, in one process. Compilation is excluded: each configuration
 on a few prompts of the same shapes.
 
     python experiments/selfdistill_throughput.py [--prompts 96] [--batch 32,64] [--dtypes float32,bfloat16]
-        [--generators whole,refill] [--attention auto,per-head]
+        [--generators whole,refill,refill-full] [--attention auto,per-head] [--kinds mix,chat,everyday]
+
+`refill` starts the cache as wide as the shortest prompts need and widens it as longer ones come up
+(`GeneratorConfig.grow_cache`); `refill-full` keeps the full width (prompt limit + new tokens) from
+the start, as before 2026-12-06. `--kinds` runs each prompt kind on its own, as the recipe does
+(one generator call per kind), or all four mixed in one call (`mix`).
 
 `--attention per-head` turns off the stacked-heads attention form that many-row steps take on CPU
 (models/layers.py:stacked_heads_pays), so both forms can be timed in one run. The refill generator's
-time includes compiling its insert call at each prompt width it meets (a few seconds each).
+generators first run over the same prompts once, untimed, which compiles every program the timed
+run meets (insert calls, decode steps at each cache width), so the timed run excludes compilation.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps-per-sync", type=int, default=16)
-    parser.add_argument("--generators", default="whole,refill", help="whole (Engine.generate), refill, or both")
+    parser.add_argument("--generators", default="whole,refill",
+                        help="comma-separated: whole (Engine.generate), refill, refill-full")
+    parser.add_argument("--kinds", default="mix", help="comma-separated: mix, chat, everyday, math, code")
     parser.add_argument("--attention", default="auto", help="auto, per-head, or both (comma-separated)")
     args = parser.parse_args()
 
@@ -44,12 +52,22 @@ def main():
     base = load_model("smollm2")
     docs, _ = load_split(("austen", "shakespeare", "kjv", "python_stdlib"))
     quarter = args.prompts // 4
-    texts = (training_chat_prompts(docs, quarter, 1) + everyday_chat_prompts(quarter, 1) + math_word_prompts(quarter, 1)
-             + code_task_prompts(args.prompts - 3 * quarter, 1))
-    prompts = [ids for ids in (base.tokenizer.encode_chat(t) for t in texts) if len(ids) <= 128]
-    print(f"{len(prompts)} prompts (of {len(texts)}; longer than 128 tokens dropped), up to {args.new_tokens} new tokens")
-    rows = []
+    texts_by_kind = {"chat": training_chat_prompts(docs, quarter, 1), "everyday": everyday_chat_prompts(quarter, 1),
+                     "math": math_word_prompts(quarter, 1), "code": code_task_prompts(args.prompts - 3 * quarter, 1)}
+    texts_by_kind["mix"] = [t for kind in ("chat", "everyday", "math", "code") for t in texts_by_kind[kind]]
+    prompts_by_kind = {}
+    for kind in args.kinds.split(","):
+        if kind not in texts_by_kind:
+            parser.error(f"--kinds: unknown kind {kind!r}; available: {', '.join(texts_by_kind)}")
+        texts = texts_by_kind[kind]
+        prompts_by_kind[kind] = [ids for ids in (base.tokenizer.encode_chat(t) for t in texts) if len(ids) <= 128]
+        print(f"{kind}: {len(prompts_by_kind[kind])} prompts (of {len(texts)}; longer than 128 tokens dropped), "
+              f"up to {args.new_tokens} new tokens")
     generators = args.generators.split(",")
+    unknown = set(generators) - {"whole", "refill", "refill-full"}
+    if unknown:
+        parser.error(f"--generators: unknown {', '.join(sorted(unknown))}; available: whole, refill, refill-full")
+    rows = []
     for attention in args.attention.split(","):
         # The rule is read while tracing, so every program is traced anew under each setting.
         layers.STACKED_HEADS_MIN_BATCH = 16 if attention == "auto" else 10**9
@@ -57,28 +75,36 @@ def main():
         for dtype in args.dtypes.split(","):
             model = at_compute_dtype(base, dtype)
             for batch in (int(b) for b in args.batch.split(",")):
-                label = lambda how: f"{how}, attention {attention}"  # noqa: E731
-                if "whole" in generators:
-                    engine = Engine(model)
-                    engine.generate(prompts[:batch], args.new_tokens)  # compile
-                    started, new = time.perf_counter(), 0
-                    for begin in range(0, len(prompts), batch):
-                        out = engine.generate(prompts[begin : begin + batch], args.new_tokens)
-                        new += sum(len(t) for t in out.tokens)
-                    rows.append((dtype, batch, label("whole batches (Engine.generate)"), new,
-                                 time.perf_counter() - started))
-                if "refill" in generators:
-                    gen = GeneratorConfig(batch_size=batch, max_prompt_tokens=128, max_new_tokens=args.new_tokens,
-                                          steps_per_sync=args.steps_per_sync, refill_rows=max(1, batch // 4))
-                    with tempfile.TemporaryDirectory() as tmp:
-                        generate_continuations(model.params, model.config, prompts[:2], Path(tmp) / "warm.jsonl", gen,
-                                               model.eos_token_ids, progress=False)
-                        report = generate_continuations(model.params, model.config, prompts, Path(tmp) / "c.jsonl",
-                                                        gen, model.eos_token_ids, progress=False)
-                    rows.append((dtype, batch, label("continuous refill (selfdistill)"), report.new_tokens,
-                                 report.seconds))
-                for row in rows[-len(generators):]:
-                    print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
+                for kind, prompts in prompts_by_kind.items():
+                    label = lambda how: f"{kind}: {how}, attention {attention}"  # noqa: E731
+                    if "whole" in generators:
+                        engine = Engine(model)
+                        engine.generate(prompts[:batch], args.new_tokens)  # compile
+                        started, new = time.perf_counter(), 0
+                        for begin in range(0, len(prompts), batch):
+                            out = engine.generate(prompts[begin : begin + batch], args.new_tokens)
+                            new += sum(len(t) for t in out.tokens)
+                        rows.append((dtype, batch, label("whole batches (Engine.generate)"), new,
+                                     time.perf_counter() - started))
+                    for how, grow in (("refill", True), ("refill-full", False)):
+                        if how not in generators:
+                            continue
+                        gen = GeneratorConfig(batch_size=batch, max_prompt_tokens=128, max_new_tokens=args.new_tokens,
+                                              steps_per_sync=args.steps_per_sync, refill_rows=max(1, batch // 4),
+                                              grow_cache=grow)
+                        with tempfile.TemporaryDirectory() as tmp:
+                            # The same prompts once untimed: it compiles every program the timed run calls
+                            # (an insert per prompt width, decode steps at each cache width).
+                            generate_continuations(model.params, model.config, prompts, Path(tmp) / "warm.jsonl", gen,
+                                                   model.eos_token_ids, progress=False)
+                            report = generate_continuations(model.params, model.config, prompts,
+                                                            Path(tmp) / "c.jsonl", gen, model.eos_token_ids,
+                                                            progress=False)
+                        slots = "/".join(map(str, report.cache_slots))
+                        rows.append((dtype, batch, label(f"continuous refill, cache slots {slots}"),
+                                     report.new_tokens, report.seconds))
+                    for row in rows[-len(generators):]:
+                        print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
     print("\n| dtype | rows | generator | new tokens | seconds | new tokens/s |")
     print("|---|---|---|---|---|---|")
     for dtype, batch, how, new, seconds in rows:

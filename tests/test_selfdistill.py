@@ -47,6 +47,26 @@ def test_each_continuation_is_the_targets_greedy_output(target, tmp_path):
     assert report.new_tokens == sum(len(g) for _, g in found.values()) and report.sequences == 11
 
 
+def test_the_cache_starts_as_wide_as_the_shortest_prompts_need_and_grows(target, tmp_path):
+    """Prompts run shortest first over a cache that widens by prompt buckets as longer prompts come
+    up (rows in flight keep decoding across the widening); every continuation is still the target's
+    greedy output."""
+    import dataclasses
+
+    model = _with_eos(target)
+    gen = dataclasses.replace(GEN, prompt_bucket=3)
+    prompts = _prompts(10, seed=2)
+    report = generate_continuations(model.params, TINY, prompts, tmp_path / "c.jsonl", gen, model.eos_token_ids,
+                                    progress=False)
+    shortest, longest = min(map(len, prompts)), max(map(len, prompts))
+    first = -(-shortest // 3) * 3 + gen.max_new_tokens
+    assert report.cache_slots[0] == first and report.cache_slots[-1] == min(-(-longest // 3) * 3, 8) + gen.max_new_tokens
+    assert len(report.cache_slots) >= 2 and list(report.cache_slots) == sorted(set(report.cache_slots))
+    found = read_continuations(tmp_path / "c.jsonl")
+    expected = Engine(model).generate(prompts, gen.max_new_tokens).tokens
+    assert [found[i][1] for i in range(10)] == expected
+
+
 def test_an_interrupted_run_resumes_without_redoing_finished_prompts(target, tmp_path):
     model = _with_eos(target)
     prompts = _prompts(7, seed=1)

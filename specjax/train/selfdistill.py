@@ -7,6 +7,11 @@ token limit) and prefills queued prompts into them, several rows in one jitted c
 other rows keep their caches. A batch decoded to completion instead idles every row that stops
 early until the longest one ends.
 
+Prompts are queued shortest first, and the cache starts only as wide as the first prompts need
+(their length, rounded up to `prompt_bucket`, plus max_new_tokens); it grows when a longer prompt
+comes up. Every step's attention reads every slot of the cache, so on a CPU a batch of short
+prompts decodes faster over a narrower cache.
+
 Finished sequences are appended to a JSONL file as they complete, so an interrupted run resumes
 where it stopped, and the file is what `build_distillation_set` reads afterwards.
 """
@@ -51,6 +56,10 @@ class GeneratorConfig:
     prompt_bucket: int = 32
     """Insert calls pad their prompts to the next multiple of this (at most max_prompt_tokens), so a
     batch of short prompts is not prefilled at full width; one compilation per width."""
+    grow_cache: bool = True
+    """Start the cache as wide as the shortest prompts need and widen it by prompt_bucket as longer
+    ones come up (one compilation per width); False keeps max_prompt_tokens + max_new_tokens slots
+    from the start."""
 
     def __post_init__(self):
         check_at_least(1, batch_size=self.batch_size, max_prompt_tokens=self.max_prompt_tokens,
@@ -148,6 +157,8 @@ class GenerationReport:
     """Wall time of this call, compilation included."""
     skipped_long_prompts: int
     """Prompts longer than max_prompt_tokens, not answered."""
+    cache_slots: tuple[int, ...] = ()
+    """The cache widths the batch decoded with, in order (it grows as longer prompts come up)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -180,6 +191,24 @@ def _drop_cut_line(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def _cache_can_grow(config: TransformerConfig, gen: GeneratorConfig) -> bool:
+    """Whether every layer's cache is one slot per position up to the full row length: a ring
+    (a sliding-window layer) would lay its slots out anew when it widened."""
+    return all(config.layer_cache_slots(i, n) == n for i in range(config.num_layers)
+               for n in (gen.max_new_tokens + 1, gen.row_length))
+
+
+@partial(jax.jit, static_argnames=("gen",))  # a wider result cannot reuse the donated buffers
+def grow_state(state: GeneratorState, *, gen: GeneratorConfig) -> GeneratorState:
+    """The same rows over a cache of gen.row_length slots: new slots are empty, at the end of each
+    row, so rows in flight keep their positions and their attention masks them out."""
+    def widen(a):  # [B, S, ...] -> [B, row_length, ...]
+        return jnp.pad(a, [(0, 0), (0, gen.row_length - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+    return dataclasses.replace(state, tokens=widen(state.tokens),
+                               cache=KVCache(tuple(map(widen, state.cache.keys)), tuple(map(widen, state.cache.values))))
+
+
 def _check_disk(folder: Path, prompts: int, gen: GeneratorConfig) -> None:
     # About 8 bytes per token id in JSON, prompt plus continuation.
     need = prompts * gen.row_length * 8
@@ -202,16 +231,26 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
     finished = read_continuations(out_path)
     todo = [i for i in range(len(prompts)) if i not in finished]
     too_long = [i for i in todo if not 0 < len(prompts[i]) <= gen.max_prompt_tokens]
-    # Prompts of similar length are inserted together, so an insert call pads little.
-    queue: Iterator[int] = iter(sorted((i for i in todo if i not in set(too_long)), key=lambda i: len(prompts[i])))
-    pending = len(todo) - len(too_long)
+    # Prompts of similar length are inserted together, so an insert call pads little, and shortest
+    # first, so the cache can start narrow and grow.
+    ordered = sorted((i for i in todo if i not in set(too_long)), key=lambda i: len(prompts[i]))
+    queue: Iterator[int] = iter(ordered)
+    pending = len(ordered)
     _check_disk(out_path.parent, pending, gen)
 
+    def bucket(length: int) -> int:
+        return min(-(-length // gen.prompt_bucket) * gen.prompt_bucket, gen.max_prompt_tokens)
+
     started = time.perf_counter()
-    state = empty_state(config, gen)
+    growable = gen.grow_cache and _cache_can_grow(config, gen)
+    current = gen  # the shape decoding runs at: as wide as the prompts inserted so far need
+    if growable and ordered:
+        current = dataclasses.replace(gen, max_prompt_tokens=bucket(len(prompts[ordered[0]])))
+    state = empty_state(config, current)
+    widths = [current.row_length]
     owner = np.full(gen.batch_size, -1)  # prompt index decoding in each row, -1 for an empty row
     new_tokens = answered = 0
-    statics = dict(config=config, gen=gen, eos_token_ids=tuple(eos_token_ids))
+    statics = dict(config=config, gen=current, eos_token_ids=tuple(eos_token_ids))
     bar = tqdm(total=pending, desc="self-distillation", unit="prompt", disable=not progress)
     with out_path.open("a") as sink:
         exhausted = False
@@ -239,8 +278,12 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
                     break
                 rows = np.full(gen.refill_rows, gen.batch_size, np.int32)
                 rows[: len(batch)] = free[: len(batch)]
-                longest = max(len(prompts[i]) for i in batch)
-                width = min(-(-longest // gen.prompt_bucket) * gen.prompt_bucket, gen.max_prompt_tokens)
+                width = bucket(max(len(prompts[i]) for i in batch))
+                if width > current.max_prompt_tokens:
+                    current = dataclasses.replace(gen, max_prompt_tokens=width)
+                    state = grow_state(state, gen=current)
+                    statics["gen"] = current
+                    widths.append(current.row_length)
                 ids = np.zeros((gen.refill_rows, width), np.int32)
                 lens = np.ones(gen.refill_rows, np.int32)
                 for j, i in enumerate(batch):
@@ -253,7 +296,7 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
                 break
             state = decode_steps(params, state, **statics)
     bar.close()
-    return GenerationReport(answered, new_tokens, time.perf_counter() - started, len(too_long))
+    return GenerationReport(answered, new_tokens, time.perf_counter() - started, len(too_long), tuple(widths))
 
 
 def self_instruct_prompts(params, config: TransformerConfig, tokenizer, count: int, out_path: str | Path,
