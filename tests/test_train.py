@@ -172,6 +172,33 @@ def test_distillation_sets_store_the_targets_top_k_next_token_distribution(targe
     assert all(len(set(row)) == 5 for row in ids.tolist())
 
 
+@pytest.mark.parametrize("teacher_labels", [True, False])
+def test_a_features_pass_at_each_batchs_own_width_stores_what_the_full_width_pass_did(target, tmp_path,
+                                                                                        teacher_labels):
+    """Sequences of mixed lengths, run in length order at their batch's width (rounded up to 8),
+    are stored in their own order with the labels, top-k and validity of one pass at the full
+    sequence length, and features equal to rounding."""
+    from specjax.models.drafter import DrafterConfig
+    from specjax.train.drafter import build_distillation_set
+
+    rng = np.random.default_rng(5)
+    sequences = [(rng.integers(0, target.config.vocab_size, size=int(rng.integers(4, 40))).tolist(),
+                  int(rng.integers(0, 3))) for _ in range(11)]
+    taps = DrafterConfig.for_target(target.config, num_taps=2).target_layer_ids
+    built = {bucket: build_distillation_set(target.params, target.config, sequences, tmp_path / str(bucket), taps,
+                                            seq_len=48, teacher_labels=teacher_labels, batch_size=3, progress=False,
+                                            topk=3, width_bucket=bucket) for bucket in (8, 48)}
+    narrow, full = built[8], built[48]
+    valid = np.asarray(full.valid).astype(bool)
+    for name in ("tokens", "valid"):
+        np.testing.assert_array_equal(np.asarray(getattr(narrow, name)), np.asarray(getattr(full, name)), name)
+    for name in ("labels", "topk_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(narrow, name))[valid], np.asarray(getattr(full, name))[valid])
+    np.testing.assert_allclose(np.asarray(narrow.features, np.float32)[valid], np.asarray(full.features, np.float32)[valid],
+                               rtol=2e-3, atol=2e-3)
+    assert [len(ids) for ids, _ in sequences] != sorted(len(ids) for ids, _ in sequences)  # rows were reordered
+
+
 def test_the_top_k_loss_is_cross_entropy_against_the_targets_distribution(target, drafter, tmp_path):
     """With all of the target's mass on its argmax the top-k loss is the argmax loss; mass moved to
     its second choice changes the loss, and sets without the top-k are refused by name."""

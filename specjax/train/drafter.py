@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError
+from specjax.errors import SpecjaxError, check_at_least
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import ContextKeys, Drafter, DrafterConfig, context_keys_values
 from specjax.models.transformer import apply_head, embed_tokens, head_matrix
@@ -102,8 +102,13 @@ class DistillationSet:
 def build_distillation_set(target_params, target_config: TransformerConfig, sequences: Iterable[tuple[Sequence[int], int]],
                            out_dir: str | Path, target_layer_ids: tuple[int, ...], seq_len: int,
                            teacher_labels: bool, batch_size: int = 8, progress: bool = True,
-                           topk: int = 0) -> DistillationSet:
+                           topk: int = 0, width_bucket: int = 32) -> DistillationSet:
     """Run the target over sequences and store features and labels.
+
+    Sequences run in batches of similar length, each at its longest length rounded up to
+    width_bucket (one compilation per width): a causal forward's outputs at a position do not depend
+    on later ones, so the padding up to seq_len need not be computed, and self-distilled answers to
+    short prompts fill little more than half of it. Stored rows keep the sequences' order.
 
     sequences: (token ids, first trainable position) pairs; ids are cut or padded to seq_len.
     teacher_labels: True for corpus text (labels = target argmax of the previous position);
@@ -132,11 +137,13 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         topk_ids = create("topk_ids.i32", np.int32, (n, seq_len, topk))
         topk_logprobs = create("topk_logprobs.f16", np.float16, (n, seq_len, topk))
 
+    check_at_least(1, width_bucket=width_bucket, batch_size=batch_size)
+
     @jax.jit
-    def run(batch):
-        b = batch.shape[0]
-        cache = KVCache.zeros(target_config, b, seq_len)
-        positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), batch.shape)
+    def run(batch):  # [b, W] -> features, argmax and top-k at W positions
+        b, width = batch.shape
+        cache = KVCache.zeros(target_config, b, width)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), batch.shape)
         out = forward(target_params, target_config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
                       hidden_layers=target_layer_ids, empty_cache=True)
         hidden, argmax = out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
@@ -145,23 +152,27 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), topk)  # [b, T, k] each
         return hidden, argmax, ids.astype(jnp.int32), logprobs.astype(jnp.float16)
 
+    by_length = sorted(range(n), key=lambda r: len(rows[r][0]))
     for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):
-        chunk = rows[begin : begin + batch_size]
-        batch = np.zeros((batch_size, seq_len), np.int32)  # fixed batch shape: one compilation
-        for i, (ids, _) in enumerate(chunk):
-            batch[i, : len(ids)] = ids
+        chunk = by_length[begin : begin + batch_size]
+        longest = max(len(rows[r][0]) for r in chunk)
+        width = min(-(-longest // width_bucket) * width_bucket, seq_len)
+        batch = np.zeros((batch_size, width), np.int32)  # a fixed row count: one compilation per width
+        for i, r in enumerate(chunk):
+            batch[i, : len(rows[r][0])] = rows[r][0]
         hidden, argmax, best_ids, best_logprobs = jax.device_get(run(jnp.asarray(batch)))
-        for i, (ids, start) in enumerate(chunk):
-            row = begin + i
-            tokens[row] = batch[i]
-            features[row] = hidden[i]
+        for i, row in enumerate(chunk):
+            ids, start = rows[row]
+            # Positions from `width` on stay as created: zero, and never valid.
+            tokens[row, :width] = batch[i]
+            features[row, :width] = hidden[i]
             if topk:  # the distribution of the token at t comes from the logits at t - 1, as labels do
-                topk_ids[row, 1:] = best_ids[i, :-1]
-                topk_logprobs[row, 1:] = best_logprobs[i, :-1]
+                topk_ids[row, 1:width] = best_ids[i, :-1]
+                topk_logprobs[row, 1:width] = best_logprobs[i, :-1]
             if teacher_labels:
-                labels[row, 1:] = argmax[i, :-1]
+                labels[row, 1:width] = argmax[i, :-1]
             else:
-                labels[row] = batch[i]
+                labels[row, :width] = batch[i]
             mask = np.zeros(seq_len, np.uint8)
             mask[max(start, 1) : len(ids)] = 1
             valid[row] = mask
