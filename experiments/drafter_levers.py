@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--variants", default="b8,b16")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--out", default="runs/levers")
+    parser.add_argument("--plot", help="also draw the held-out curves (chain tau against step) into this PNG")
     parser.add_argument("--start", default="default",
                         help="the drafter every variant starts from: a DFlash-format folder, or default (the committed one)")
     args = parser.parse_args()
@@ -133,6 +134,30 @@ def main() -> None:
                                                   for c in curves) + " |")
     print("| training wall s (evaluations included; a resumed run counts its last process) | "
           + " | ".join(f"{r['wall_s']:.0f}" if r["wall_s"] else "-" for r in results.values()) + " |")
+    if args.plot:
+        plot_curves(results, args.plot, heldout.num_sequences)
+
+
+def plot_curves(results: dict, path: str, answers: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, result in results.items():
+        curve = result["curve"]
+        ax.plot([e["step"] for e in curve], [e["chain_walk_tau"] for e in curve], marker="o",
+                label=f"{name} ({result['train_labels'] / 1e3:,.0f}k training labels)")
+    ax.set_xlabel("training step (4 sequences x 32 anchors each)")
+    ax.set_ylabel("held-out chain tau (greedy chain decoding replayed)")
+    ax.set_title(f"drafter levers, scored on {answers} held-out chat answers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ on a few prompts of the same shapes.
 
     python experiments/selfdistill_throughput.py [--prompts 96] [--batch 32,64] [--dtypes float32,bfloat16]
         [--generators whole,refill,refill-full] [--attention auto,per-head] [--kinds mix,chat,everyday]
+        [--features-pass]
 
 `refill` starts the cache as wide as the shortest prompts need and widens it as longer ones come up
 (`GeneratorConfig.grow_cache`); `refill-full` keeps the full width (prompt limit + new tokens) from
@@ -16,6 +17,10 @@ the start, as before 2026-12-06. `--kinds` runs each prompt kind on its own, as 
 (models/layers.py:stacked_heads_pays), so both forms can be timed in one run. The refill generator's
 generators first run over the same prompts once, untimed, which compiles every program the timed
 run meets (insert calls, decode steps at each cache width), so the timed run excludes compilation.
+
+`--features-pass` also times the next stage of the recipe on each kind's continuations: the target
+run over each sequence (256 slots) to store its tap features and top-8 (`build_distillation_set`),
+with batches at their own width (`width_bucket` 32, the default) against always the full 256.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main():
     parser.add_argument("--generators", default="whole,refill",
                         help="comma-separated: whole (Engine.generate), refill, refill-full")
     parser.add_argument("--kinds", default="mix", help="comma-separated: mix, chat, everyday, math, code")
+    parser.add_argument("--features-pass", action="store_true",
+                        help="also time the features pass over the continuations, per-batch width against full width")
     parser.add_argument("--attention", default="auto", help="auto, per-head, or both (comma-separated)")
     args = parser.parse_args()
 
@@ -47,7 +54,9 @@ def main():
     from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
     from specjax.decode.engine import Engine
     from specjax.io.registry import at_compute_dtype, load_model
-    from specjax.train.selfdistill import GeneratorConfig, generate_continuations
+    from specjax.models.drafter import DrafterConfig
+    from specjax.train.drafter import build_distillation_set
+    from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
 
     base = load_model("smollm2")
     docs, _ = load_split(("austen", "shakespeare", "kjv", "python_stdlib"))
@@ -100,10 +109,27 @@ def main():
                             report = generate_continuations(model.params, model.config, prompts,
                                                             Path(tmp) / "c.jsonl", gen, model.eos_token_ids,
                                                             progress=False)
+                            found = read_continuations(Path(tmp) / "c.jsonl")
                         slots = "/".join(map(str, report.cache_slots))
                         rows.append((dtype, batch, label(f"continuous refill, cache slots {slots}"),
                                      report.new_tokens, report.seconds))
-                    for row in rows[-len(generators):]:
+                    timed = len(generators)
+                    if args.features_pass and "refill" in generators:
+                        sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
+                        new = sum(len(found[i][1]) for i in found)
+                        taps = DrafterConfig.for_target(model.config, num_taps=4).target_layer_ids
+                        for bucket in (32, 256):
+                            with tempfile.TemporaryDirectory() as tmp:
+                                build = lambda folder, n: build_distillation_set(  # noqa: E731
+                                    model.params, model.config, sequences[:n], folder, taps, 256,
+                                    teacher_labels=False, progress=False, topk=8, width_bucket=bucket)
+                                build(Path(tmp) / "warm", len(sequences))  # compiles every width
+                                started = time.perf_counter()
+                                build(Path(tmp) / "set", len(sequences))
+                                rows.append((dtype, 8, label(f"features pass, width bucket {bucket}"), new,
+                                             time.perf_counter() - started))
+                        timed += 2
+                    for row in rows[-timed:]:
                         print(f"  {row[0]} batch {row[1]} {row[2]}: {row[3]} tokens in {row[4]:.1f} s", flush=True)
     print("\n| dtype | rows | generator | new tokens | seconds | new tokens/s |")
     print("|---|---|---|---|---|---|")

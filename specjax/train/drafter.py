@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -99,6 +100,25 @@ class DistillationSet:
         return int(self.valid.sum())
 
 
+@partial(jax.jit, static_argnames=("config", "target_layer_ids", "topk"))
+def _features_pass(params, batch, *, config: TransformerConfig, target_layer_ids: tuple[int, ...], topk: int):
+    """[b, W] token ids -> tap features, argmax and top-k at W positions, from one causal pass. At
+    module level, so every set of a recipe (and every call) reuses one compilation per width."""
+    from specjax.models.cache import KVCache
+    from specjax.models.transformer import forward
+
+    b, width = batch.shape
+    cache = KVCache.zeros(config, b, width)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), batch.shape)
+    out = forward(params, config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
+                  hidden_layers=target_layer_ids, empty_cache=True)
+    hidden, argmax = out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    if not topk:  # a log-softmax over the whole vocabulary is not free: skip it when nothing is stored
+        return hidden, argmax, None, None
+    logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), topk)  # [b, T, k] each
+    return hidden, argmax, ids.astype(jnp.int32), logprobs.astype(jnp.float16)
+
+
 def build_distillation_set(target_params, target_config: TransformerConfig, sequences: Iterable[tuple[Sequence[int], int]],
                            out_dir: str | Path, target_layer_ids: tuple[int, ...], seq_len: int,
                            teacher_labels: bool, batch_size: int = 8, progress: bool = True,
@@ -118,9 +138,6 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     """
     from tqdm.auto import tqdm
 
-    from specjax.models.cache import KVCache
-    from specjax.models.transformer import forward
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [(list(ids)[:seq_len], start) for ids, start in sequences]
@@ -138,19 +155,8 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         topk_logprobs = create("topk_logprobs.f16", np.float16, (n, seq_len, topk))
 
     check_at_least(1, width_bucket=width_bucket, batch_size=batch_size)
-
-    @jax.jit
-    def run(batch):  # [b, W] -> features, argmax and top-k at W positions
-        b, width = batch.shape
-        cache = KVCache.zeros(target_config, b, width)
-        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), batch.shape)
-        out = forward(target_params, target_config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
-                      hidden_layers=target_layer_ids, empty_cache=True)
-        hidden, argmax = out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-        if not topk:  # a log-softmax over the whole vocabulary is not free: skip it when nothing is stored
-            return hidden, argmax, None, None
-        logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), topk)  # [b, T, k] each
-        return hidden, argmax, ids.astype(jnp.int32), logprobs.astype(jnp.float16)
+    run = partial(_features_pass, target_params, config=target_config, target_layer_ids=tuple(target_layer_ids),
+                  topk=topk)
 
     by_length = sorted(range(n), key=lambda r: len(rows[r][0]))
     for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):
