@@ -78,6 +78,10 @@ def test_an_interrupted_run_resumes_without_redoing_finished_prompts(target, tmp
     assert report.sequences == 3
     found = read_continuations(path)
     assert sorted(found) == list(range(7))
+    # Resuming with another prompt list (another seed, say) would mix answers: refused.
+    with pytest.raises(SpecjaxError, match="other prompts"):
+        generate_continuations(model.params, TINY, prompts[1:] + prompts[:1], path, GEN, model.eos_token_ids,
+                               progress=False)
     expected = Engine(model).generate(prompts, GEN.max_new_tokens).tokens
     assert [found[i][1] for i in range(7)] == expected
     indices = [json.loads(line)["index"] for line in path.read_text().splitlines()]

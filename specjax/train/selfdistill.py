@@ -229,6 +229,12 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _drop_cut_line(out_path)
     finished = read_continuations(out_path)
+    # A resumed run must be answering the same prompt list: indices are positions in it.
+    strangers = [i for i, (prompt, _) in finished.items() if i >= len(prompts) or list(prompts[i]) != prompt]
+    if strangers:
+        raise SpecjaxError(f"{out_path} holds answers to other prompts than these ({len(strangers)} of {len(finished)}, "
+                           f"first at index {min(strangers)}): it was made with another prompt list (another seed, "
+                           "count or --avoid-prompts-from); write to a new folder")
     todo = [i for i in range(len(prompts)) if i not in finished]
     too_long = [i for i in todo if not 0 < len(prompts[i]) <= gen.max_prompt_tokens]
     # Prompts of similar length are inserted together, so an insert call pads little, and shortest
