@@ -51,9 +51,7 @@ def main() -> None:
         whole, _ = without_looping(DistillationSet.open(folder))
         rng = np.random.default_rng(args.seed)
         keep = np.sort(rng.choice(whole.num_sequences, min(args.sequences, whole.num_sequences), replace=False))
-        take = lambda a: None if a is None else np.asarray(a[keep])  # noqa: E731
-        sets[name] = DistillationSet(tokens=take(whole.tokens), labels=take(whole.labels), valid=take(whole.valid),
-                                     features=take(whole.features), target_layer_ids=whole.target_layer_ids)
+        sets[name] = whole.rows(keep)
         print(f"{name}: {len(keep)} of {whole.num_sequences} non-looping answers ({folder})", flush=True)
     table = {}
     for name, folder in args.drafter:

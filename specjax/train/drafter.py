@@ -71,6 +71,13 @@ class DistillationSet:
     topk_logprobs: np.ndarray | None = None
     """[N, T, k] float16: their log-probabilities under the target's full softmax."""
 
+    def rows(self, keep: Sequence[int]) -> "DistillationSet":
+        """The set's sequences at these rows, read into memory."""
+        take = lambda a: None if a is None else np.asarray(a[np.asarray(keep)])  # noqa: E731
+        return DistillationSet(tokens=take(self.tokens), labels=take(self.labels), valid=take(self.valid),
+                               features=take(self.features), target_layer_ids=self.target_layer_ids,
+                               topk_ids=take(self.topk_ids), topk_logprobs=take(self.topk_logprobs))
+
     @classmethod
     def open(cls, folder: str | Path) -> "DistillationSet":
         folder = Path(folder)
@@ -203,11 +210,7 @@ def without_looping(data: DistillationSet) -> tuple[DistillationSet, int]:
             if not is_looping(np.asarray(data.tokens[r])[np.asarray(data.valid[r])].tolist())]
     if not keep or len(keep) == data.num_sequences:
         return data, 0
-    take = lambda a: None if a is None else np.asarray(a[keep])  # noqa: E731
-    return DistillationSet(tokens=take(data.tokens), labels=take(data.labels), valid=take(data.valid),
-                           features=take(data.features), target_layer_ids=data.target_layer_ids,
-                           topk_ids=take(data.topk_ids), topk_logprobs=take(data.topk_logprobs)), \
-        data.num_sequences - len(keep)
+    return data.rows(keep), data.num_sequences - len(keep)
 
 
 def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step: int, seed: int,
