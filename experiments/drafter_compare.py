@@ -2,7 +2,10 @@
 
     python experiments/drafter_compare.py old=runs/drafter-v1 new=runs/drafter-v2/drafter \
         [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json] \
-        [--dtype float32|bfloat16] [--methods chain,tree] [--speed-baselines]
+        [--dtype float32|bfloat16] [--methods chain,tree,chain+refiner] [--speed-baselines]
+
+A drafter given as `label=folder:refiner_folder` (or `label=default:default`) brings its refiner
+for the +refiner methods; a drafter without one skips them.
 
 Greedy, batch 1, SmolLM2 at `--dtype` (bf16 with its steps padded to 8 query rows, the exactness
 reference). The AR variant at that precision is the baseline for output identity; each drafter
@@ -22,7 +25,8 @@ import json
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("drafters", nargs="+", help="label=folder (a DFlash-format drafter), or label=default")
+    parser.add_argument("drafters", nargs="+",
+                        help="label=folder (a DFlash-format drafter) or label=default, optionally :refiner_folder")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--category", default="chat", help="held-out category: chat, code, math or rewrite")
@@ -36,7 +40,8 @@ def main() -> None:
     from specjax.data.prompts import heldout_prompts
     from specjax.decode.bench import Variant, format_table, run_variants
     from specjax.decode.engine import Engine
-    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, with_query_rows
+    from specjax.decode.slots import SLOT_METHODS
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, resolve_refiner, with_query_rows
 
     base = load_model("smollm2")
     model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
@@ -49,10 +54,15 @@ def main() -> None:
                 variants.append(Variant(f"ar {dtype} one row", Engine(one_row), "ar"))
     for spec in args.drafters:
         label, _, folder = spec.partition("=")
+        folder, _, refiner_folder = folder.partition(":")
         if not folder:
-            parser.error(f"give drafters as label=folder, got {spec!r}")
-        engine = Engine(model, at_compute_dtype(resolve_drafter(folder, "smollm2"), args.dtype))
+            parser.error(f"give drafters as label=folder[:refiner_folder], got {spec!r}")
+        refiner = resolve_refiner(refiner_folder, "smollm2") if refiner_folder else None
+        engine = Engine(model, at_compute_dtype(resolve_drafter(folder, "smollm2"), args.dtype), refiner=refiner)
         for method in args.methods.split(","):
+            if method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner and refiner is None:
+                print(f"{label}: no refiner given (label=folder:refiner_folder), so no {method}", flush=True)
+                continue
             variants.append(Variant(f"{method} {label}", engine, method))
     report = run_variants(variants, prompts, args.max_new_tokens)
     print(format_table(report))

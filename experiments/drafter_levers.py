@@ -2,7 +2,7 @@
 variants, on the same data, for the same steps, each scored the same way.
 
     python experiments/drafter_levers.py --data runs/drafter-v3/data [--data MORE ...] --steps 1000 \
-        [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4] [--start FOLDER]
+        [--variants b8,b16] [--out runs/levers] [--learning-rate 5e-4] [--start FOLDER] [--evals 5]
 
 A variant is a dash-joined list of settings:
   b<N>      block size N (the committed drafter's slot embeddings are cut or kept; default 16);
@@ -58,11 +58,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--variants", default="b8,b16")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--evals", type=int, default=5,
+                        help="held-out evaluations (and checkpoints) over the run, evenly spaced; more draw a finer curve")
     parser.add_argument("--out", default="runs/levers")
     parser.add_argument("--plot", help="also draw the held-out curves (chain tau against step) into this PNG")
     parser.add_argument("--start", default="default",
                         help="the drafter every variant starts from: a DFlash-format folder, or default (the committed one)")
     args = parser.parse_args()
+    if args.evals < 1 or args.steps < 1:
+        parser.error("--steps and --evals must be at least 1")
 
     import jax
     import numpy as np
@@ -109,8 +113,8 @@ def main() -> None:
             model.params, model.config, config, sets, run / "run",
             OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(200, args.steps // 10),
                             total_steps=args.steps),
-            LoopConfig(steps=args.steps, seed=0, eval_every=max(args.steps // 5, 1),
-                       checkpoint_every=max(args.steps // 5, 1)),
+            LoopConfig(steps=args.steps, seed=0, eval_every=max(args.steps // args.evals, 1),
+                       checkpoint_every=max(args.steps // args.evals, 1)),
             DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=32, topk_weight=variant["topk_weight"]),
             heldout=heldout, init_params=params, draft_vocab=committed.draft_vocab)
         save_drafter(run / "drafter", config, params, model.config, dtype="bfloat16",
@@ -150,6 +154,9 @@ def plot_curves(results: dict, path: str, answers: int) -> None:
         ax.plot([e["step"] for e in curve], [e["chain_walk_tau"] for e in curve], marker="o",
                 label=f"{name} ({result['train_labels'] / 1e3:,.0f}k training labels)")
     ax.set_xlabel("training step (4 sequences x 32 anchors each)")
+    per_step = 4 * 32 / 1e3  # anchor blocks a step, in thousands: the "tokens seen" axis
+    top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda k: k / per_step))
+    top.set_xlabel("anchor blocks seen (thousands)")
     ax.set_ylabel("held-out chain tau (greedy chain decoding replayed)")
     ax.set_title(f"drafter levers, scored on {answers} held-out chat answers")
     ax.grid(alpha=0.3)
