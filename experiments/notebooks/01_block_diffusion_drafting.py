@@ -106,14 +106,18 @@ contexts = [prompts[shown_prompt] + answer[:p] for p in positions]
 longest = max(map(len, contexts))
 padded = jnp.asarray([c + [0] * (longest - len(c)) for c in contexts])  # [P, T]
 lengths = jnp.asarray([len(c) for c in contexts])  # [P]
-anchor, _, context = start_speculation(model.params, model.config, drafter.params, drafter.config, padded, lengths,
-                                      longest + drafter.config.block_size, SamplingConfig(), None)
+prefill_next, _, context = start_speculation(model.params, model.config, drafter.params, drafter.config, padded,
+                                            lengths, longest + drafter.config.block_size, SamplingConfig(), None)
+# Each block is anchored at the token AR committed there. A batched prefill is not the computation
+# AR's one-token steps are, so in bf16 its own next token can differ at near-ties; count them.
+anchor = jnp.asarray([answer[p] for p in positions])  # [P]
+differ = int(np.sum(np.asarray(prefill_next) != np.asarray(anchor)))
+print(f"the replay's prefill predicts AR's token at {len(positions) - differ} of {len(positions)} positions")
 vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
 logits = draft_block(model.params, model.config, drafter.params, drafter.config, anchor, lengths, context,
                      head_matrix(model.params, model.config, vocab))  # [P, K, V']
 best = jnp.argmax(logits, -1)
 drafts = np.asarray(best if vocab is None else vocab[best])  # [P, K]
-assert list(np.asarray(anchor)) == [answer[p] for p in positions], "the replay must see what AR saw"
 
 def accepted_drafts(p):
     truth = answer[p + 1 : p + 1 + drafts.shape[1]]
