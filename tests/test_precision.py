@@ -3,6 +3,7 @@ speculative output exact against AR at the same precision."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -16,7 +17,7 @@ from specjax.errors import SpecjaxError
 from specjax.io.registry import PADDED_QUERY_ROWS, LoadedModel, at_compute_dtype
 from specjax.models.cache import KVCache, read_cache
 from specjax.models.layers import MIN_DOT_ROWS, accumulate_in_float32
-from specjax.models.transformer import forward
+from specjax.models.transformer import embed_tokens, forward, token_embedder
 
 PROMPTS = [[1, 5, 2], [7], [4, 4, 9, 10, 11, 0, 2]]
 from conftest import SPEC_BLOCK as BLOCK  # noqa: E402
@@ -69,6 +70,20 @@ def test_bf16_forward_keeps_float32_logits_and_halves_the_cache(target):
                                np.asarray(high.cache.keys[0])[0, :4], rtol=0.05, atol=0.05)
     difference = float(jnp.max(jnp.abs(low.logits - high.logits)))
     assert 0 < difference < 0.1 * float(jnp.max(jnp.abs(high.logits)))  # the same model, at another precision
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_loop_embedder_gives_the_models_own_embeddings(target, dtype, scaled):
+    """token_embedder (the refiners' embeddings, taken inside the decode loop's branches) must give
+    exactly what the model's own embedding gives, Gemma's sqrt(d) scaling included."""
+    model = at_compute_dtype(target, dtype)
+    config = dataclasses.replace(model.config, scale_embeddings=scaled)
+    ids = jnp.asarray([[0, 5, 2], [model.config.vocab_size - 1, 7, 7]], jnp.int32)
+    expected = embed_tokens(model.params, config, ids)
+    got = jax.jit(lambda p, i: token_embedder(p, config)(i))(model.params, ids)
+    assert got.dtype == expected.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
 def test_unknown_compute_dtype_is_refused(target):

@@ -25,7 +25,7 @@ from specjax.decode.context import DrafterContext, append_context, context_key_s
 from specjax.models.drafter import Drafter, DrafterConfig
 from specjax.models.layers import attention_mask
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
-from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
+from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix, token_embedder
 
 
 @struct.dataclass
@@ -170,8 +170,9 @@ def _draft_and_refine(target_params, target_config: TransformerConfig, drafter_p
     else:
         draft_index = jax.random.categorical(draft_rng, processed_logits(logits, sampling), axis=-1).astype(jnp.int32)
     to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
-    embed_index = lambda i: embed_tokens(target_params, target_config, to_token(i))
-    anchor_embed = embed_tokens(target_params, target_config, last_token[:, None])[:, 0]  # [B, d]
+    embed = token_embedder(target_params, target_config)  # one table cast for every pass (see token_embedder)
+    embed_index = lambda i: embed(to_token(i))
+    anchor_embed = embed(last_token)  # [B, d]
     draft_index, logits, passes = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits,
                                                 anchor_embed, draft_index, embed_index, refiner.low_rank_head,
                                                 sampling, refine_rng)

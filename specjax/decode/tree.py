@@ -42,7 +42,7 @@ from specjax.models.cache import KVCache, ring_index, write_ring
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
-from specjax.models.transformer import apply_head, embed_tokens, forward, head_matrix
+from specjax.models.transformer import apply_head, forward, head_matrix, token_embedder
 
 TREE_SHAPES = ("best-first", "fixed")
 DEFAULT_BUCKETS = {"cpu": (1, 2, 4, 8, 16, 32, 64), "gpu": (16, 32, 64, 128, 256), "tpu": (16, 32, 64, 128, 256)}
@@ -332,8 +332,9 @@ def draft_marginals(target_params, target_config: TransformerConfig, drafter_par
     if refiner is None:
         return logits, jnp.int32(0)
     to_token = (lambda i: i) if draft_vocab is None else (lambda i: jnp.take(draft_vocab, i))
-    embed_index = lambda i: embed_tokens(target_params, target_config, to_token(i))
-    anchor_embed = embed_tokens(target_params, target_config, last_token[:, None])[:, 0]  # [B, d]
+    embed = token_embedder(target_params, target_config)  # one table cast for every pass (see token_embedder)
+    embed_index = lambda i: embed(to_token(i))
+    anchor_embed = embed(last_token)  # [B, d]
     greedy_draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     _, refined, passes = refine_drafts(refiner.params, refiner.config, refiner.refine, hidden, logits, anchor_embed,
                                        greedy_draft, embed_index, refiner.low_rank_head, SamplingConfig(),

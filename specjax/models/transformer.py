@@ -306,6 +306,24 @@ def embed_tokens(params, config: TransformerConfig, tokens):
     return Transformer(config).apply({"params": params}, tokens, method=Transformer.embed)
 
 
+def token_embedder(params, config: TransformerConfig):
+    """A function ids [..] -> embeddings [.., d], equal to embed_tokens, for use inside loops and
+    branches. XLA:CPU has no bf16 gather: it gathers from a float32 copy of the whole table, and
+    hoists that copy out of a loop but not out of a conditional branch, so an embedding taken in
+    a branch of the decode step (the refiner's) copied SmolLM2's 28M-element table every step.
+    Cast here, before the branches, the copy is loop-invariant and shared with the target's own."""
+    table = params["embed_tokens"]["embedding"].astype(jnp.float32)  # [V, d]
+    dtype = jnp.dtype(config.dtype)
+
+    def embed(ids):
+        x = jnp.take(table, ids, axis=0).astype(dtype)  # the table's own values, as nn.Embed gives them
+        if config.scale_embeddings:
+            x = x * jnp.asarray(config.hidden_size**0.5, dtype)
+        return x
+
+    return embed
+
+
 def head_matrix(params, config: TransformerConfig, vocab_ids=None):
     """The LM head as a [d, V'] matrix, optionally only the columns of vocab_ids [V']."""
     full = params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]["kernel"]
