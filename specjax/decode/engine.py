@@ -35,7 +35,7 @@ from specjax.io.registry import LoadedModel
 from specjax.decode.context import empty_context_cache
 from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
-from specjax.models.transformer import forward, head_matrix, token_embedder
+from specjax.models.transformer import forward, head_matrix, token_embedder, with_float32_embedding
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.decode.rapid import RapidConfig, Redraft
 
@@ -623,11 +623,11 @@ class Engine:
             rcfg = self.refiner.config
             # The loop computes the low-rank head once per call, outside the per-block passes timed here.
             low_rank = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, rcfg, head)
-            # So is the float32 table the loop's embeddings are taken from (token_embedder).
-            table = jax.jit(lambda tp: tp["embed_tokens"]["embedding"].astype(jnp.float32))(target_params)
-            pass_fn = jax.jit(lambda t, rp, lr: _one_refine_pass({"embed_tokens": {"embedding": t}}, tcfg, rp, rcfg, lr,
-                                                                 batch, block - 1, head.shape[1], shape.sampling))
-            refine_cost = median_seconds(repeats, lambda: pass_fn(table, refiner_params, low_rank))
+            # So is the float32 embedding table the loop's embeddings are taken from (token_embedder).
+            cast = jax.jit(with_float32_embedding)(target_params)
+            pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, tcfg, rp, rcfg, lr, batch, block - 1,
+                                                                  head.shape[1], shape.sampling))
+            refine_cost = median_seconds(repeats, lambda: pass_fn(cast, refiner_params, low_rank))
         self._phase_costs[shape] = (median_seconds(repeats, draft), median_seconds(repeats, verify), refine_cost)
         return self._phase_costs[shape]
 

@@ -42,7 +42,7 @@ from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig
 from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
-from specjax.models.transformer import apply_head, forward, head_matrix, token_embedder
+from specjax.models.transformer import apply_head, forward, head_matrix, token_embedder, with_float32_embedding
 
 
 @struct.dataclass
@@ -929,8 +929,7 @@ def measure_phase_seconds(parts: SlotParts, statics: SlotStatics, refined: bool,
         refine_fn = jax.jit(lambda p, s, h, lg: _refine(p, s, one_pass, h, lg, index, s.keys, jnp.bool_(False)))
         # The loop casts the embedding table once per call, outside its steps (token_embedder); so
         # does this measurement, or a pass would count a copy of the whole table.
-        table = jax.jit(lambda t: t["embed_tokens"]["embedding"].astype(jnp.float32))(parts.target)
-        cast_parts = parts.replace(target={**parts.target, "embed_tokens": {"embedding": table}})
+        cast_parts = parts.replace(target=jax.jit(with_float32_embedding)(parts.target))
         out["refine"] = median_seconds(repeats, lambda: refine_fn(cast_parts, state, hidden, logits))
     out["verify"] = median_seconds(repeats, lambda: verify_fn(parts, state))
     return out

@@ -324,6 +324,13 @@ def token_embedder(params, config: TransformerConfig):
     return embed
 
 
+def with_float32_embedding(params):
+    """params with the embedding table already cast as token_embedder casts it: a refinement pass
+    timed alone then pays no cast, as in the decode loop, which casts once per call."""
+    embed = params["embed_tokens"]
+    return {**params, "embed_tokens": {**embed, "embedding": embed["embedding"].astype(jnp.float32)}}
+
+
 def head_matrix(params, config: TransformerConfig, vocab_ids=None):
     """The LM head as a [d, V'] matrix, optionally only the columns of vocab_ids [V']."""
     full = params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]["kernel"]
