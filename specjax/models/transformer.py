@@ -163,7 +163,10 @@ class Transformer(nn.Module):
             self.lm_head = dense(cfg.vocab_size, False, dtype)
 
     def embed(self, tokens):
-        x = self.embed_tokens(tokens)  # [B, T, d]
+        # Gather, then cast: the rows come out as nn.Embed gives them, without casting the whole
+        # table first (a float32 table, as token_embedder passes it, stays float32 until gathered).
+        table = self.embed_tokens.embedding  # [V, d]
+        x = jnp.take(table, tokens, axis=0).astype(self.config.dtype)  # [B, T, d]
         if self.config.scale_embeddings:  # Gemma; HF rounds sqrt(d) to the weights' dtype first
             x = x * jnp.asarray(self.config.hidden_size**0.5, x.dtype)
         return x
@@ -312,16 +315,8 @@ def token_embedder(params, config: TransformerConfig):
     hoists that copy out of a loop but not out of a conditional branch, so an embedding taken in
     a branch of the decode step (the refiner's) copied SmolLM2's 28M-element table every step.
     Cast here, before the branches, the copy is loop-invariant and shared with the target's own."""
-    table = params["embed_tokens"]["embedding"].astype(jnp.float32)  # [V, d]
-    dtype = jnp.dtype(config.dtype)
-
-    def embed(ids):
-        x = jnp.take(table, ids, axis=0).astype(dtype)  # the table's own values, as nn.Embed gives them
-        if config.scale_embeddings:
-            x = x * jnp.asarray(config.hidden_size**0.5, dtype)
-        return x
-
-    return embed
+    cast_params = with_float32_embedding(params)
+    return lambda ids: embed_tokens(cast_params, config, ids)
 
 
 def with_float32_embedding(params):
