@@ -10,7 +10,9 @@ A variant is a dash-joined list of settings:
             layers (`train/drafter.py:init_from_drafter`; default: the committed depth);
   topk<W>   a share W of the loss against the target's stored top-k distribution instead of its
             argmax token (`DrafterTrainConfig.topk_weight`; the sets must be built with top-k);
-  d<N>      train on the first N `--data` folders only (default: all of them), the data lever.
+  d<N>      train on the first N `--data` folders only (default: all of them), the data lever;
+  g<X>      slot k's loss weight exp(-(k-1)/X) (`DrafterTrainConfig.gamma`, default 7): a small X
+            spends the drafter's capacity on the first slots, which carry most of a chain's tau.
 For example `--variants b8,b8-topk1,b8-l2` compares argmax cross-entropy, top-k cross-entropy and a
 second layer at block 8.
 
@@ -31,19 +33,21 @@ import re
 from pathlib import Path
 
 TRAIN_SETS = ("chat", "everyday", "math", "code", "self_instruct", "corpus")
-SETTING = re.compile(r"^(b|l|d|topk)(\d+(?:\.\d+)?)$")
+SETTING = re.compile(r"^(b|l|d|g|topk)(\d+(?:\.\d+)?)$")
 
 
-def parse_variant(text: str, committed_layers: int, data_folders: int) -> dict:
-    """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0, 'data': data_folders}."""
-    variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0, "data": data_folders}
+def parse_variant(text: str, committed_layers: int, data_folders: int, default_gamma: float) -> dict:
+    """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0, 'data': data_folders,
+    'gamma': default_gamma}."""
+    variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0, "data": data_folders,
+               "gamma": default_gamma}
     for part in text.split("-"):
         match = SETTING.match(part)
         if match is None:
-            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, d<N>, topk<W>")
+            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, d<N>, g<X>, topk<W>")
         key, value = match.groups()
-        if key == "topk":
-            variant["topk_weight"] = float(value)
+        if key in ("topk", "g"):
+            variant[{"topk": "topk_weight", "g": "gamma"}[key]] = float(value)
         else:
             variant[{"b": "block", "l": "layers", "d": "data"}[key]] = int(value)
     if not 1 <= variant["data"] <= data_folders:
@@ -90,7 +94,7 @@ def main() -> None:
     print(f"held-out chat: {heldout.num_sequences} answers ({looping} looping left out)", flush=True)
     model = load_model("smollm2", "bfloat16")
     committed = resolve_drafter(args.start, "smollm2")
-    variants = {name: parse_variant(name, committed.config.num_layers, len(folders))
+    variants = {name: parse_variant(name, committed.config.num_layers, len(folders), DrafterTrainConfig.gamma)
                 for name in args.variants.split(",")}
     results = {}
     for name, variant in variants.items():
@@ -115,7 +119,8 @@ def main() -> None:
                             total_steps=args.steps),
             LoopConfig(steps=args.steps, seed=0, eval_every=max(args.steps // args.evals, 1),
                        checkpoint_every=max(args.steps // args.evals, 1)),
-            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=32, topk_weight=variant["topk_weight"]),
+            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=32, topk_weight=variant["topk_weight"],
+                               gamma=variant["gamma"]),
             heldout=heldout, init_params=params, draft_vocab=committed.draft_vocab)
         save_drafter(run / "drafter", config, params, model.config, dtype="bfloat16",
                      draft_vocab=None if committed.draft_vocab is None else np.asarray(committed.draft_vocab))
