@@ -2,7 +2,7 @@
 
     python experiments/drafter_compare.py old=runs/drafter-v1 new=runs/drafter-v2/drafter \
         [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json] \
-        [--dtype float32|bfloat16] [--methods chain,tree,chain+refiner] [--speed-baselines]
+        [--dtype float32|bfloat16] [--methods chain,tree,chain+refiner] [--refine-slots 0,3] [--speed-baselines]
 
 A drafter given as `label=folder:refiner_folder` (or `label=default:default`) brings its refiner
 for the +refiner methods; a drafter without one skips them.
@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the whole report here")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--methods", default="chain", help="comma-separated speculative methods per drafter")
+    parser.add_argument("--refine-slots", default="0",
+                        help="comma-separated RefineConfig.slots values: each +refiner method runs once per "
+                             "value (0: every slot), labelled with it when there are several")
     parser.add_argument("--speed-baselines", action="store_true",
                         help="also time AR in float32 and in bf16 without padded rows")
     args = parser.parse_args()
@@ -40,9 +43,11 @@ def main() -> None:
     from specjax.data.prompts import heldout_prompts
     from specjax.decode.bench import Variant, format_table, run_variants
     from specjax.decode.engine import Engine
+    from specjax.decode.refine import RefineConfig
     from specjax.decode.slots import SLOT_METHODS
     from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter, resolve_refiner, with_query_rows
 
+    refine_slots = [int(v) for v in args.refine_slots.split(",")]
     base = load_model("smollm2")
     model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
     prompts = [model.tokenizer.encode_chat(p) for p in heldout_prompts(args.category)[: args.prompts]]
@@ -63,7 +68,13 @@ def main() -> None:
             if method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner and refiner is None:
                 print(f"{label}: no refiner given (label=folder:refiner_folder), so no {method}", flush=True)
                 continue
-            variants.append(Variant(f"{method} {label}", engine, method))
+            if not (method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner):
+                variants.append(Variant(f"{method} {label}", engine, method))
+                continue
+            for slots in refine_slots:
+                suffix = f" ({slots or 'all'} slots)" if len(refine_slots) > 1 else ""
+                variants.append(Variant(f"{method} {label}{suffix}", engine, method,
+                                        (("refine", RefineConfig(slots=slots)),)))
     report = run_variants(variants, prompts, args.max_new_tokens)
     print(format_table(report))
     for label, entry in report["methods"].items():

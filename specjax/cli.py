@@ -375,7 +375,7 @@ def _refine_config(args):
     from specjax.decode.refine import RefineConfig
 
     return RefineConfig(max_passes=args.refine_passes, adaptive=not args.no_adaptive_refine,
-                        keep_confident=args.refine_keep_confident)
+                        keep_confident=args.refine_keep_confident, slots=args.refine_slots)
 
 
 def _tree_config(args):
@@ -877,6 +877,9 @@ def _add_refiner_options(parser) -> None:
                         help="always run every refinement pass (default: stop when a pass changes nothing)")
     parser.add_argument("--refine-keep-confident", type=float, default=0.0,
                         help="leave slots whose drafter top probability is at least this unrefined (0 = off)")
+    parser.add_argument("--refine-slots", type=int, default=0,
+                        help="refine only the first this many draft slots; later ones keep the drafter's draft "
+                             "(0 = every slot)")
 
 
 def build_parser() -> argparse.ArgumentParser:

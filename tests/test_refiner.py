@@ -102,6 +102,15 @@ def test_jacobi_refinement_reaches_the_left_to_right_chain(kind, target, drafter
     assert confident.any() and (~confident).any()
     np.testing.assert_array_equal(np.asarray(kept_logits)[confident], np.asarray(logits)[confident])
     assert np.abs(np.asarray(kept_logits)[~confident] - np.asarray(logits)[~confident]).max() > 1e-3
+    # Refining the first two slots only: they get exactly a whole pass's logits (the mixer is
+    # causal), the later slots keep the drafter's logits and greedy draft.
+    _, whole_logits, _ = run(RefineConfig(max_passes=1, adaptive=False))
+    first_two, first_two_logits, _ = run(RefineConfig(max_passes=1, adaptive=False, slots=2))
+    np.testing.assert_allclose(np.asarray(first_two_logits)[:, :2], np.asarray(whole_logits)[:, :2], rtol=1e-6,
+                               atol=1e-6)
+    assert np.abs(np.asarray(whole_logits)[:, 2:] - np.asarray(logits)[:, 2:]).max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(first_two_logits)[:, 2:], np.asarray(logits)[:, 2:])
+    assert np.array_equal(np.asarray(first_two)[:, 2:], np.asarray(jnp.argmax(logits, -1))[:, 2:])
     unrefined, unrefined_logits, none = run(RefineConfig(max_passes=0))
     assert int(none) == 0 and np.array_equal(np.asarray(unrefined_logits), np.asarray(logits))
     # Sampling: adaptive stopping returns exactly what running every pass returns.
@@ -125,7 +134,8 @@ def test_an_untrained_refiner_changes_nothing(target, drafter):
     assert refined.stats["refine_passes"] == 1.0  # one pass, which changed nothing
 
 
-_REFINES = [RefineConfig(1), RefineConfig(3), RefineConfig(2, adaptive=False), RefineConfig(2, keep_confident=0.5)]
+_REFINES = [RefineConfig(1), RefineConfig(3), RefineConfig(2, adaptive=False), RefineConfig(2, keep_confident=0.5),
+            RefineConfig(2, slots=2)]
 
 
 # Every refinement setting runs once by default, alternating the refiner kinds; the rest of the
@@ -158,6 +168,8 @@ def test_perturbed_refiner_really_changes_the_drafts(target, drafter):
 @pytest.mark.slow  # the chain's and the tree's chi-square tests stay in the default suite
 @pytest.mark.parametrize("sampling,refine", [(SAMPLINGS[0], RefineConfig(2)),
                                              pytest.param(SAMPLINGS[1], RefineConfig(2, keep_confident=0.5),
+                                                          marks=pytest.mark.slow),
+                                             pytest.param(SAMPLINGS[0], RefineConfig(2, slots=1),
                                                           marks=pytest.mark.slow)])
 def test_sampled_chain_with_refiner_matches_the_exact_target_distribution(target, drafter, sampling, refine):
     prompt = [1, 5, 2]
@@ -206,6 +218,8 @@ def test_requests_that_cannot_work_are_refused(target, drafter):
         Engine(target, drafter, refiner=refiner).generate(PROMPTS, 4, method="chain+refiner", denoise_steps=2)
     with pytest.raises(SpecjaxError, match=">= 0"):
         RefineConfig(max_passes=-1)
+    with pytest.raises(SpecjaxError, match="refine slots"):
+        RefineConfig(slots=-1)
     with pytest.raises(SpecjaxError, match="kind"):
         RefinerConfig(hidden_size=32, block_size=4, kind="lstm")
     other_block = LoadedRefiner("b8", dataclasses.replace(refiner.config, block_size=8), refiner.params, None)

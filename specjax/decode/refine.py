@@ -39,12 +39,19 @@ class RefineConfig:
     """If > 0, slots where the drafter's top probability is at least this keep the drafter's own
     logits (0 = refine every slot). Exactness is unaffected: the choice depends only on the
     drafter's output for the block."""
+    slots: int = 0
+    """Refine only the first this many draft slots (0: all of them). The refiner's mixer is causal,
+    so these slots get exactly the corrections a pass over the whole block gives them; later slots
+    keep the drafter's logits, and the pass runs the mixer and the vocabulary-wide correction over
+    fewer slots. Exactness is unaffected: a slot left alone is drawn from the drafter's own q."""
 
     def __post_init__(self):
         if self.max_passes < 0:
             raise SpecjaxError(f"refine passes must be >= 0, got {self.max_passes}")
         if not 0.0 <= self.keep_confident <= 1.0:
             raise SpecjaxError(f"keep_confident must be in [0, 1], got {self.keep_confident}")
+        if self.slots < 0:
+            raise SpecjaxError(f"refine slots must be >= 0 (0: every slot), got {self.slots}")
 
 
 def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineConfig, hidden, drafter_logits,
@@ -66,16 +73,21 @@ def refine_drafts(refiner_params, refiner_config: RefinerConfig, refine: RefineC
         noise = jax.random.gumbel(rng, drafter_logits.shape)  # [B, K, V'], shared by every pass
         choose = lambda logits: jnp.argmax(processed_logits(logits, sampling) + noise, axis=-1).astype(jnp.int32)
 
-    confidence = draft_confidence(drafter_logits)  # [B, K, 2], the same for every pass
+    num_slots = drafter_logits.shape[1]
+    refined_slots = min(refine.slots or num_slots, num_slots)  # R
+    confidence = draft_confidence(drafter_logits[:, :refined_slots])  # [B, R, 2], the same for every pass
     if refine.keep_confident > 0:
-        refine_slot = confidence[..., :1] < jnp.log(refine.keep_confident)  # [B, K, 1]
+        refine_slot = confidence[..., :1] < jnp.log(refine.keep_confident)  # [B, R, 1]
     else:
         refine_slot = jnp.ones(confidence.shape[:-1] + (1,), bool)
 
     def one_pass(draft):
-        previous = jnp.concatenate([anchor_embed[:, None, :], embed_index(draft[:, :-1])], axis=1)  # [B, K, d]
-        correction = refiner_corrections(refiner_params, refiner_config, hidden, previous, confidence, low_rank_head)
-        return drafter_logits + jnp.where(refine_slot, correction, 0.0)
+        previous = jnp.concatenate([anchor_embed[:, None, :], embed_index(draft[:, : refined_slots - 1])],
+                                   axis=1)  # [B, R, d]
+        correction = refiner_corrections(refiner_params, refiner_config, hidden[:, :refined_slots], previous,
+                                         confidence, low_rank_head)  # [B, R, V']
+        refined = drafter_logits[:, :refined_slots] + jnp.where(refine_slot, correction, 0.0)
+        return jnp.concatenate([refined, drafter_logits[:, refined_slots:].astype(refined.dtype)], axis=1)  # [B, K, V']
 
     def keep_going(carry):
         passes, _, _, changed = carry
