@@ -65,10 +65,11 @@ def main() -> None:
         refiner = resolve_refiner(refiner_folder, "smollm2") if refiner_folder else None
         engine = Engine(model, at_compute_dtype(resolve_drafter(folder, "smollm2"), args.dtype), refiner=refiner)
         for method in args.methods.split(","):
-            if method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner and refiner is None:
+            needs_refiner = method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner
+            if needs_refiner and refiner is None:
                 print(f"{label}: no refiner given (label=folder:refiner_folder), so no {method}", flush=True)
                 continue
-            if not (method in SLOT_METHODS and SLOT_METHODS[method].needs_refiner):
+            if not needs_refiner:
                 variants.append(Variant(f"{method} {label}", engine, method))
                 continue
             for slots in refine_slots:
