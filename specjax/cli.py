@@ -22,9 +22,19 @@ def _parse_ids(text: str) -> list[int]:
         raise SpecjaxError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _prompt_categories(path: str) -> list[str] | None:
+    """The "category" of every line of a .jsonl prompt file (as the held-out set has), or None where
+    the file is another kind or any line lacks one. Read after _read_prompt_file has checked the file."""
+    if Path(path).suffix != ".jsonl":
+        return None
+    entries = [json.loads(line) for line in read_text_file(path, "--prompts-file").splitlines() if line.strip()]
+    categories = [entry.get("category") for entry in entries]
+    return categories if all(isinstance(c, str) and c for c in categories) else None
+
+
 def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
     """Prompts from a .txt (one per non-blank line), .json (a list of strings) or .jsonl file
-    ({"prompt": "..."} per line); at least one, none empty."""
+    ({"prompt": "..."} per line, optionally with a "category"); at least one, none empty."""
     text = read_text_file(path, flag)
     suffix = Path(path).suffix
     try:
@@ -431,8 +441,11 @@ def cmd_bench(args) -> int:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
     engine = Engine(model, parts.drafter, refiner=parts.refiner, mesh=_mesh(args))
+    # A categorised prompt file (the held-out set: chat, code, math, rewriting) is reported per category too.
+    categories = _prompt_categories(args.prompts_file) if args.prompts_file and long is None else None
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
-                       repeats=args.repeats, progress=not args.json, options=options)
+                       repeats=args.repeats, progress=not args.json, options=options,
+                       groups=categories if categories and len(set(categories)) > 1 else None)
     if long is not None:
         report["long_context"] = long.summary(retrieval)
     if args.json:
@@ -926,7 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", action="append",
                        help="with --context-file: the question about it (one long-context request)")
     _add_dtype_option(bench)
-    bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out chat prompts")
+    bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out "
+                       "chat prompts. A .jsonl whose lines all carry a \"category\" is also reported per category")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-k", type=int, default=0)

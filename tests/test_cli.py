@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 
 from specjax.cli import main
@@ -158,6 +160,35 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     assert_histogram_accounts_for_the_tokens(chain["accepted_length_histogram"], chain["outputs"], 4)
     assert len(chain["outputs"]) == 2 and chain["outputs"] == ar["outputs"]
     assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
+
+
+def test_bench_reports_each_category_of_a_categorised_prompt_file(tiny_with_tokenizer_and_drafter, capsys, tmp_path):
+    """A .jsonl prompt file whose lines carry a category (as the held-out set does) gets figures per
+    category as well as over all; the groups' histograms add up to the whole one."""
+    root = tiny_with_tokenizer_and_drafter
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in [
+        {"prompt": "the cat sat", "category": "chat"}, {"prompt": "one two three", "category": "math"},
+        {"prompt": "the dog ran", "category": "chat"}]) + "\n")
+    base = ["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods", "ar,chain",
+            "--prompts-file", str(prompts), "--max-new-tokens", "6", "--no-chat"]
+    assert main(base + ["--json"]) == 0
+    report = _last_json(capsys)
+    groups = report["groups"]
+    assert list(groups) == ["chat", "math"]
+    assert groups["chat"]["chain"]["prompts"] == 2 and groups["math"]["ar"]["prompts"] == 1
+    whole = np.asarray(report["methods"]["chain"]["accepted_length_histogram"])
+    parts = [np.asarray(groups[g]["chain"]["accepted_length_histogram"]) for g in groups]
+    assert (sum(parts) == whole).all()
+    assert groups["math"]["chain"]["identical_to_ar"] and groups["chat"]["chain"]["speedup_vs_ar"] > 0
+    assert main(base) == 0
+    table = capsys.readouterr().out
+    assert "chat (2 prompts):" in table and "math (1 prompt):" in table
+    # A file without categories on every line is reported as a whole only.
+    prompts.write_text(json.dumps({"prompt": "the cat sat", "category": "chat"}) + "\n"
+                       + json.dumps({"prompt": "one two"}) + "\n")
+    assert main(base + ["--json"]) == 0
+    assert "groups" not in _last_json(capsys)
 
 
 @pytest.mark.slow  # moved out of the default suite to keep it under 20 minutes with the serving tests

@@ -31,23 +31,30 @@ class Variant:
 
 def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequence[str], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
-              progress: bool = True, options: dict[str, dict] | None = None) -> dict:
-    """Every method on every prompt with one engine. options: per-method generate options."""
+              progress: bool = True, options: dict[str, dict] | None = None,
+              groups: Sequence[str] | None = None) -> dict:
+    """Every method on every prompt with one engine. options: per-method generate options; groups:
+    a label per prompt (its category), for a report per group besides the whole (see run_variants)."""
     options = options or {}
     variants = [Variant(m, engine, m, tuple(sorted(options.get(m, {}).items()))) for m in methods]
-    report = run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress)
+    report = run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress, groups=groups)
     report["precision"] = engine.precision  # every method ran this target: "identical" and speedups are at it
     return report
 
 
 def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
-                 progress: bool = True, batch_size: int = 1) -> dict:
+                 progress: bool = True, batch_size: int = 1, groups: Sequence[str] | None = None) -> dict:
     """Side-by-side runs of labelled variants (several engines allowed, e.g. one per refiner).
     A variant labelled "ar" is the baseline for speedups and output identity.
 
     batch_size > 1 decodes consecutive prompts together; the last batch wraps around to the first
-    prompts so every call has the same shape (outputs are then reported once per call row)."""
+    prompts so every call has the same shape (outputs are then reported once per call row).
+
+    groups: one label per prompt (a held-out set's categories: chat, code, math, rewriting). The
+    report then also holds report["groups"][label][variant]: the same figures over that group's
+    prompts alone, because one mean tau over mixed kinds hides that math drafts well and chat does not.
+    Batch size 1 only, so that every call is one prompt of one group."""
     from tqdm.auto import tqdm
 
     labels = [v.label for v in variants]
@@ -59,26 +66,32 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
         raise SpecjaxError(f"repeats must be >= 1, got {repeats}")
     if not prompts:
         raise SpecjaxError("the benchmark needs at least one prompt")
+    if groups is not None:
+        if len(groups) != len(prompts):
+            raise SpecjaxError(f"groups needs one label per prompt: {len(groups)} labels for {len(prompts)} prompts")
+        if batch_size != 1:
+            raise SpecjaxError("a report per group needs batch_size 1 (a call of several prompts mixes groups)")
     num_calls = -(-len(prompts) // batch_size)
     batches = [[prompts[(c * batch_size + i) % len(prompts)] for i in range(batch_size)] for c in range(num_calls)]
     run = lambda v, batch: v.engine.generate(batch, max_new_tokens, sampling, seed=seed, method=v.method,
                                              **dict(v.options))
     for v in variants:  # warm-up (and compilation) outside the timing
         run(v, batches[0])
-    speeds = {m: [] for m in labels}
     outputs = {m: [] for m in labels}
     histograms = {m: None for m in labels}
     walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0} for m in labels}
     passes = {m: [] for m in labels}
     lossy: dict[str, str] = {}
     tree_sizes = {m: {"chosen": [], "verified": [], "buckets": {}} for m in labels}
+    calls = {m: [] for m in labels}  # per call: (batch index, tokens/s, accepted-length histogram or None)
     with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
         for repeat in range(repeats):
-            for batch in batches:
+            for call, batch in enumerate(batches):
                 for v in variants:
                     result = run(v, batch)
                     method = v.label
-                    speeds[method].append(result.stats["tokens_per_s"])
+                    calls[method].append((call, result.stats["tokens_per_s"],
+                                          result.stats.get("accepted_length_histogram")))
                     if repeat == 0:
                         outputs[method].extend(result.tokens)
                     walls[method]["wall_s"] += result.stats["wall_s"]
@@ -100,6 +113,7 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                         if "latency_model" in result.stats:  # auto-sized trees only; a fixed budget has none
                             sizes["latency_model"] = result.stats["latency_model"]
                     bar.update(1)
+    speeds = {m: [speed for _, speed, _ in calls[m]] for m in labels}
     report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "batch_size": batch_size, "repeats": repeats,
               "temperature": sampling.temperature, "methods": {}}
     for method in labels:
@@ -107,10 +121,7 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                  "outputs": outputs[method]}
         hist = histograms[method]
         if hist is not None and hist.sum():
-            steps = hist.sum()
-            entry["tau"] = float((hist * (np.arange(len(hist)) + 1)).sum() / steps)
-            entry["per_position_acceptance"] = (hist[::-1].cumsum()[::-1][1:] / steps).tolist()
-            entry["accepted_length_histogram"] = hist.tolist()
+            entry.update(_acceptance(hist))
             # Each phase's share of the modelled step time. The phases are timed alone and scaled
             # by the steps run, because the loop is one fused program; their sum can exceed the
             # fused loop's wall time, so a share of the wall time could pass 1.
@@ -134,7 +145,37 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
             if sampling.greedy:
                 entry["identical_to_ar"] = outputs[method] == outputs["ar"]
         report["methods"][method] = entry
+    if groups is not None:
+        report["groups"] = {label: _group_entries(calls, outputs, labels, [g == label for g in groups], sampling.greedy)
+                            for label in dict.fromkeys(groups)}
     return report
+
+
+def _acceptance(hist: np.ndarray) -> dict:
+    """tau and per-position acceptance from an accepted-length histogram (index i: i + 1 tokens a step)."""
+    steps = hist.sum()
+    return {"tau": float((hist * (np.arange(len(hist)) + 1)).sum() / steps),
+            "per_position_acceptance": (hist[::-1].cumsum()[::-1][1:] / steps).tolist(),
+            "accepted_length_histogram": hist.tolist()}
+
+
+def _group_entries(calls: dict, outputs: dict, labels: Sequence[str], members: Sequence[bool], greedy: bool) -> dict:
+    """Each variant's figures over the calls (prompts, at batch size 1) whose `members` flag is set."""
+    entries = {}
+    for method in labels:
+        mine = [(call, speed, hist) for call, speed, hist in calls[method] if members[call]]
+        entry = {"prompts": sum(members), "tokens_per_s": statistics.median(s for _, s, _ in mine), "tau": None}
+        hists = [np.asarray(h) for _, _, h in mine if h is not None]
+        if hists and sum(hists).sum():
+            entry.update(_acceptance(sum(hists)))
+        if "ar" in labels and method != "ar":
+            ar = [s for call, s, _ in calls["ar"] if members[call]]
+            entry["speedup_vs_ar"] = statistics.median(s / a for (_, s, _), a in zip(mine, ar))
+            if greedy:
+                entry["identical_to_ar"] = all(outputs[method][i] == outputs["ar"][i]
+                                               for i, member in enumerate(members) if member)
+        entries[method] = entry
+    return entries
 
 
 def format_table(report: dict) -> str:
@@ -148,6 +189,14 @@ def format_table(report: dict) -> str:
         accept = " ".join(f"{a:.2f}" for a in entry["per_position_acceptance"][:8])
         lines.append(f"{method:{width}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s} {nodes:>6s}  {accept}"
                      + (f"  LOSSY: {entry['lossy']}" if "lossy" in entry else ""))
+    for group, entries in report.get("groups", {}).items():
+        prompts = next(iter(entries.values()))["prompts"]
+        lines.append(f"  {group} ({prompts} prompt{'s' if prompts != 1 else ''}):")
+        for method, entry in entries.items():
+            speedup = f"{entry['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in entry else "-"
+            tau = f"{entry['tau']:.2f}" if entry["tau"] is not None else "-"
+            same = {True: "", False: "  DIFFERENT from ar"}.get(entry.get("identical_to_ar"), "")
+            lines.append(f"  {method:{width - 2}s} {entry['tokens_per_s']:9.1f} {speedup:>8s} {tau:>6s}{same}")
     if "long_context" in report:
         from specjax.data.retrieval import describe_long_context
 
