@@ -12,7 +12,8 @@ reference). The AR variant at that precision is the baseline for output identity
 runs each of `--methods` ("chain <label>", "tree <label>"). `--speed-baselines` adds AR at the
 other settings this machine has (float32 one row, bf16 one row) and prints every method's speedup
 against the fastest AR measured in the run, the issue's speed baseline. Prompts are the first `--prompts`
-of the held-out set's `--category` (specjax/data/heldout_prompts.jsonl). tau and acceptance do
+of the held-out set's `--category` (specjax/data/heldout_prompts.jsonl), or of each category with
+`--category all`, reported per category too. tau and acceptance do
 not depend on timing, so they stay valid when the machine is shared; tokens/s and speedups are
 only worth reporting from a run that had the cores to itself.
 """
@@ -29,7 +30,9 @@ def main() -> None:
                         help="label=folder (a DFlash-format drafter) or label=default, optionally :refiner_folder")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=12)
-    parser.add_argument("--category", default="chat", help="held-out category: chat, code, math or rewrite")
+    parser.add_argument("--category", default="chat",
+                        help="held-out category: chat, code, math or rewrite; or all: the first --prompts of each, "
+                             "reported per category as well")
     parser.add_argument("--json", help="also write the whole report here")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--methods", default="chain", help="comma-separated speculative methods per drafter")
@@ -50,7 +53,12 @@ def main() -> None:
     refine_slots = [int(v) for v in args.refine_slots.split(",")]
     base = load_model("smollm2")
     model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
-    prompts = [model.tokenizer.encode_chat(p) for p in heldout_prompts(args.category)[: args.prompts]]
+    from specjax.data.prompts import HELDOUT_CATEGORIES
+
+    categories = HELDOUT_CATEGORIES if args.category == "all" else (args.category,)
+    texts = [(c, p) for c in categories for p in heldout_prompts(c)[: args.prompts]]
+    prompts = [model.tokenizer.encode_chat(p) for _, p in texts]
+    groups = [c for c, _ in texts] if len(categories) > 1 else None
     variants = [Variant("ar", Engine(model), "ar")]
     if args.speed_baselines:
         for dtype in ("float32", "bfloat16"):
@@ -76,7 +84,7 @@ def main() -> None:
                 suffix = f" ({slots or 'all'} slots)" if len(refine_slots) > 1 else ""
                 variants.append(Variant(f"{method} {label}{suffix}", engine, method,
                                         (("refine", RefineConfig(slots=slots)),)))
-    report = run_variants(variants, prompts, args.max_new_tokens)
+    report = run_variants(variants, prompts, args.max_new_tokens, groups=groups)
     print(format_table(report))
     for label, entry in report["methods"].items():
         if not label.startswith("ar"):
@@ -87,6 +95,12 @@ def main() -> None:
     print(f"fastest AR in this run: {fastest} at {best:.1f} tokens/s")
     for label, entry in report["methods"].items():
         print(f"  {label}: {entry['tokens_per_s'] / best:.2f}x the fastest AR")
+    for group, entries in report.get("groups", {}).items():
+        fastest = max((label for label in entries if label.startswith("ar")), key=lambda x: entries[x]["tokens_per_s"])
+        print(f"{group}: fastest AR {fastest} at {entries[fastest]['tokens_per_s']:.1f} tokens/s; "
+              + ", ".join(f"{label} {entry['tokens_per_s'] / entries[fastest]['tokens_per_s']:.2f}x"
+                          + (f" (tau {entry['tau']:.2f})" if entry["tau"] else "")
+                          for label, entry in entries.items() if not label.startswith("ar")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
