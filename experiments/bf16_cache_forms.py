@@ -9,8 +9,14 @@ SmolLM2's KV shapes ([rows, slots, 3, 64] per layer, 30 layers; K and V), timed 
     - one slot for every row (a plain dynamic_update_slice), bf16 buffer, written as bf16 and through
       its bits;
   reads, one layer, the stacked-heads attention of a one-token step (`layers.stacked_heads_attention`)
-    over a bf16 buffer and over a uint16 buffer bitcast back to bf16.
-Medians of 10 calls after a warm-up call.
+    over a bf16 buffer and over a uint16 buffer bitcast back to bf16;
+  the read bound, every layer's K buffer (uint16 bits) in one program: the score product of one query
+    token per row as the model's batched bf16 dot and as a float32 einsum that XLA can fuse with the
+    bits' conversion, the value product as the batched dot, and plain reads (sums of the cache
+    converted to float32, over slots or over the contiguous head_dim, and of the bits as integers),
+    the least work any form of attention must do, which bounds every form XLA:CPU can emit; with
+    numpy's float32 sum over as many elements for comparison.
+Medians of 10 calls after a warm-up call (5 for the read bound).
 """
 
 from __future__ import annotations
@@ -77,6 +83,54 @@ def main() -> None:
             jax.block_until_ready(attend(keys, values))
             seconds.append(time.perf_counter() - start)
         print(f"| {name} | {np.median(seconds) * 1e3:.2f} |")
+
+    read_bound(rows, slots, kv_heads, head_dim, args.layers)
+
+
+def read_bound(rows: int, slots: int, kv_heads: int, head_dim: int, layers: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    group = 3  # SmolLM2's query heads per KV head
+    rng = np.random.default_rng(0)
+    bf16 = lambda bits: jax.lax.bitcast_convert_type(bits, jnp.bfloat16)  # noqa: E731
+    caches = [jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((rows, slots, kv_heads, head_dim)),
+                                                       jnp.bfloat16), jnp.uint16) for _ in range(layers)]
+    query = jnp.asarray(rng.standard_normal((rows, kv_heads, group, head_dim)), jnp.float32)  # [B, K, G, D]
+    probs = jnp.asarray(rng.random((rows, kv_heads, group, slots)), jnp.float32)  # [B, K, G, S]
+    as_float = lambda c: bf16(c).astype(jnp.float32)  # noqa: E731
+    forms = {
+        "scores, the batched bf16 dot the model uses": (query, lambda q, c: jnp.einsum(
+            "BKGD,BSKD->BKGS", q.astype(jnp.bfloat16), bf16(c), preferred_element_type=jnp.float32)),
+        "scores, a float32 einsum over the converted bits": (query, lambda q, c: jnp.einsum(
+            "BKGD,BSKD->BSKG", q, as_float(c))),
+        "values, the batched bf16 dot the model uses": (probs, lambda p, c: jnp.einsum(
+            "BKGS,BSKD->BKGD", p.astype(jnp.bfloat16), bf16(c), preferred_element_type=jnp.float32)),
+        "a plain read: sum over slots in float32": (query, lambda q, c: jnp.sum(as_float(c), axis=1)),
+        "a plain read: sum over the contiguous head_dim in float32": (query, lambda q, c: jnp.sum(as_float(c), -1)),
+        "a plain read of the bits as integers": (query, lambda q, c: jnp.sum(c.astype(jnp.int32), axis=-1)),
+    }
+    cache_bytes = rows * slots * kv_heads * head_dim * 2 * layers
+    print(f"\n| read bound over {layers} layers of K ({cache_bytes / 2**20:.0f} MiB) | ms | GB/s of cache read |"
+          "\n|---|---|---|")
+    for name, (operand, form) in forms.items():
+        run = jax.jit(lambda x, cs, form=form: [form(x, c) for c in cs])
+        jax.block_until_ready(run(operand, caches))
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(run(operand, caches))
+            seconds.append(time.perf_counter() - start)
+        print(f"| {name} | {np.median(seconds) * 1e3:.1f} | {cache_bytes / np.median(seconds) / 1e9:.1f} |")
+    same_count = np.ones((rows, slots, kv_heads, head_dim * layers), np.float32)
+    seconds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        same_count.sum(axis=-1)
+        seconds.append(time.perf_counter() - start)
+    print(f"| numpy, float32 sum over the last axis of as many elements | {np.median(seconds) * 1e3:.1f} | "
+          f"{same_count.nbytes / np.median(seconds) / 1e9:.1f} (float32 bytes) |")
 
 
 if __name__ == "__main__":
