@@ -16,7 +16,7 @@ SmolLM2's KV shapes ([rows, slots, 3, 64] per layer, 30 layers; K and V), timed 
     converted to float32, over slots or over the contiguous head_dim, and of the bits as integers),
     the least work any form of attention must do, which bounds every form XLA:CPU can emit; with
     numpy's float32 sum over as many elements for comparison.
-Medians of 10 calls after a warm-up call (5 for the read bound).
+Medians of 10 calls after a warm-up call (5 for the read bound; `decode.budget.median_seconds`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from specjax.decode.budget import median_seconds
     from specjax.models.layers import stacked_heads_attention
 
     rows, slots, kv_heads, head_dim, heads = args.rows, args.slots, 3, 64, 9
@@ -76,13 +77,7 @@ def main() -> None:
     print("\n| attention of one token per row over | ms a layer |\n|---|---|")
     for name, (keys, values, view) in reads.items():
         attend = jax.jit(lambda kk, vv, view=view: stacked_heads_attention(q, view(kk), view(vv), mask))
-        jax.block_until_ready(attend(keys, values))
-        seconds = []
-        for _ in range(10):
-            start = time.perf_counter()
-            jax.block_until_ready(attend(keys, values))
-            seconds.append(time.perf_counter() - start)
-        print(f"| {name} | {np.median(seconds) * 1e3:.2f} |")
+        print(f"| {name} | {median_seconds(10, lambda: attend(keys, values)) * 1e3:.2f} |")
 
     read_bound(rows, slots, kv_heads, head_dim, args.layers)
 
@@ -91,6 +86,8 @@ def read_bound(rows: int, slots: int, kv_heads: int, head_dim: int, layers: int)
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from specjax.decode.budget import median_seconds
 
     group = 3  # SmolLM2's query heads per KV head
     rng = np.random.default_rng(0)
@@ -116,21 +113,12 @@ def read_bound(rows: int, slots: int, kv_heads: int, head_dim: int, layers: int)
           "\n|---|---|---|")
     for name, (operand, form) in forms.items():
         run = jax.jit(lambda x, cs, form=form: [form(x, c) for c in cs])
-        jax.block_until_ready(run(operand, caches))
-        seconds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(run(operand, caches))
-            seconds.append(time.perf_counter() - start)
-        print(f"| {name} | {np.median(seconds) * 1e3:.1f} | {cache_bytes / np.median(seconds) / 1e9:.1f} |")
+        seconds = median_seconds(5, lambda: run(operand, caches))
+        print(f"| {name} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} |")
     same_count = np.ones((rows, slots, kv_heads, head_dim * layers), np.float32)
-    seconds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        same_count.sum(axis=-1)
-        seconds.append(time.perf_counter() - start)
-    print(f"| numpy, float32 sum over the last axis of as many elements | {np.median(seconds) * 1e3:.1f} | "
-          f"{same_count.nbytes / np.median(seconds) / 1e9:.1f} (float32 bytes) |")
+    seconds = median_seconds(5, lambda: same_count.sum(axis=-1))
+    print(f"| numpy, float32 sum over the last axis of as many elements | {seconds * 1e3:.1f} | "
+          f"{same_count.nbytes / seconds / 1e9:.1f} (float32 bytes) |")
 
 
 if __name__ == "__main__":
