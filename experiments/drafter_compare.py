@@ -43,7 +43,7 @@ def main() -> None:
                         help="also time AR in float32 and in bf16 without padded rows")
     args = parser.parse_args()
 
-    from specjax.data.prompts import heldout_prompts
+    from specjax.data.prompts import HELDOUT_CATEGORIES, heldout_prompts
     from specjax.decode.bench import Variant, format_table, run_variants
     from specjax.decode.engine import Engine
     from specjax.decode.refine import RefineConfig
@@ -53,8 +53,6 @@ def main() -> None:
     refine_slots = [int(v) for v in args.refine_slots.split(",")]
     base = load_model("smollm2")
     model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
-    from specjax.data.prompts import HELDOUT_CATEGORIES
-
     categories = HELDOUT_CATEGORIES if args.category == "all" else (args.category,)
     texts = [(c, p) for c in categories for p in heldout_prompts(c)[: args.prompts]]
     prompts = [model.tokenizer.encode_chat(p) for _, p in texts]

@@ -22,28 +22,25 @@ def _parse_ids(text: str) -> list[int]:
         raise SpecjaxError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
-def _prompt_categories(path: str) -> list[str] | None:
-    """The "category" of every line of a .jsonl prompt file (as the held-out set has), or None where
-    the file is another kind or any line lacks one. Read after _read_prompt_file has checked the file."""
-    if Path(path).suffix != ".jsonl":
-        return None
-    entries = [json.loads(line) for line in read_text_file(path, "--prompts-file").splitlines() if line.strip()]
-    categories = [entry.get("category") for entry in entries]
-    return categories if all(isinstance(c, str) and c for c in categories) else None
-
-
 def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
     """Prompts from a .txt (one per non-blank line), .json (a list of strings) or .jsonl file
     ({"prompt": "..."} per line, optionally with a "category"); at least one, none empty."""
+    return _read_prompts_and_categories(path, flag)[0]
+
+
+def _read_prompts_and_categories(path: str, flag: str) -> tuple[list[str], list[str] | None]:
+    """_read_prompt_file's prompts, and the "category" of each where every line of a .jsonl file
+    carries one (as the held-out set does); None otherwise."""
     text = read_text_file(path, flag)
     suffix = Path(path).suffix
+    categories = None
     try:
         if suffix == ".json":
             prompts = json.loads(text)
             if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
                 raise SpecjaxError(f"{flag} {path}: a .json prompt file must hold a list of strings")
         elif suffix == ".jsonl":
-            prompts = []
+            prompts, categories = [], []
             for number, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
@@ -52,6 +49,9 @@ def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
                     raise SpecjaxError(f"{flag} {path}: line {number} must be {{\"prompt\": \"<text>\"}}, "
                                        f"got {line.strip()[:60]}")
                 prompts.append(entry["prompt"])
+                categories.append(entry.get("category"))
+            if not all(isinstance(c, str) and c for c in categories):
+                categories = None
         else:
             prompts = [line for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as e:
@@ -61,7 +61,7 @@ def _read_prompt_file(path: str, flag: str = "--prompt-file") -> list[str]:
     empty = [i for i, t in enumerate(prompts) if not t.strip()]
     if empty:
         raise SpecjaxError(f"{flag} {path}: prompt {empty[0]} is empty")
-    return prompts
+    return prompts, categories
 
 
 # Options only some methods use. Given (a value other than the default) with none of those methods, they
@@ -422,8 +422,8 @@ def cmd_bench(args) -> int:
 
     if args.prompt is not None and not args.context_file:
         raise SpecjaxError("--prompt is the question about --context-file; without one, use --prompts-file")
-    texts = (_read_prompt_file(args.prompts_file, "--prompts-file") if args.prompts_file
-             else list(HELDOUT_CHAT_PROMPTS))
+    texts, categories = (_read_prompts_and_categories(args.prompts_file, "--prompts-file") if args.prompts_file
+                         else (list(HELDOUT_CHAT_PROMPTS), None))
     model = _load_target(args)
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
@@ -441,11 +441,12 @@ def cmd_bench(args) -> int:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
     engine = Engine(model, parts.drafter, refiner=parts.refiner, mesh=_mesh(args))
-    # A categorised prompt file (the held-out set: chat, code, math, rewriting) is reported per category too.
-    categories = _prompt_categories(args.prompts_file) if args.prompts_file and long is None else None
+    # A categorised prompt file (the held-out set: chat, code, math, rewriting) is reported per category too;
+    # a long-context request is one prompt, whatever the file held.
+    per_category = long is None and categories is not None and len(set(categories)) > 1
     report = run_bench(engine, prompts, methods, args.max_new_tokens, sampling, seed=args.seed,
                        repeats=args.repeats, progress=not args.json, options=options,
-                       groups=categories if categories and len(set(categories)) > 1 else None)
+                       groups=categories if per_category else None)
     if long is not None:
         report["long_context"] = long.summary(retrieval)
     if args.json:
