@@ -347,9 +347,10 @@ def test_memory_command_on_a_sliding_target_without_a_drafter(capsys, tmp_path):
 
     build_tiny_hf("gemma2").save_pretrained(tmp_path / "gemma2")
     assert main(["memory", "--model", str(tmp_path / "gemma2"), "--drafter", "untrained", "--contexts", "128,256",
-                 "--window", "32", "--segment", "16", "--json"]) == 0
+                 "--window", "32", "--segment", "16", "--dtype", "float32", "--json"]) == 0
     report = _last_json(capsys)
     small, large = report["target_kv_bytes"]
+    # float32 pinned: `auto` picks bf16 (2-byte entries) on a host with AMX, float32 elsewhere.
     slot = 2 * 2 * 16 * 4  # K and V of one position in one layer: 2 kv heads of 16 floats
     # Two layers: a full one (one slot per position) and a sliding one (window 4, ring 4 + 16 - 1).
     assert (small, large) == ((128 + 19) * slot, (256 + 19) * slot)
