@@ -704,13 +704,15 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_train_refiner(args) -> int:
+    from specjax.io.registry import compute_dtype
     from specjax.train.refiner import RefinerRecipe, train_refiner_recipe
 
     recipe = RefinerRecipe(kind=args.kind, width=args.width, rank=args.rank, chat_prompts=args.chat_prompts,
                            corpus_sequences=args.corpus_sequences, everyday_prompts=args.everyday_prompts,
                            steps=args.steps,
                            learning_rate=args.learning_rate, drafted_input_rate=args.drafted_input_rate,
-                           seed=args.seed, mesh=_mesh_config(args))
+                           seed=args.seed, generate_batch=args.generate_batch, dtype=compute_dtype(args.dtype),
+                           mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
@@ -720,11 +722,12 @@ def cmd_train_refiner(args) -> int:
 
 
 def cmd_train_compressor(args) -> int:
+    from specjax.io.registry import compute_dtype
     from specjax.train.compressor import CompressorRecipe, train_compressor_recipe
 
     recipe = CompressorRecipe(window=args.window, segment=args.segment, summaries=args.summaries, seq_len=args.seq_len,
                               sequences=args.sequences, steps=args.steps, learning_rate=args.learning_rate,
-                              seed=args.seed, mesh=_mesh_config(args))
+                              seed=args.seed, dtype=compute_dtype(args.dtype), mesh=_mesh_config(args))
     make_dir(args.out, "--out")
     summary = train_compressor_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
@@ -842,6 +845,13 @@ def _add_dtype_option(parser) -> None:
                         help="pad every decode step and verify pass to N query rows, so AR and speculation "
                              "compute bitwise the same numbers; auto = 8 under bfloat16 compute (where a "
                              "single-row step rounds differently), off under float32; 0 = off")
+
+
+def _add_training_dtype_option(parser, trained: str) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help=f"compute precision of the target and drafter in data generation and training (bf16 "
+                             f"inputs to every dot, float32 accumulation); the weights of {trained} stay float32; "
+                             "auto = as for decoding")
 
 
 def _load_target(args, name: str | None = None, served: bool = False):
@@ -1105,9 +1115,7 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--topk-weight", type=float, default=0.0,
                     help="share of the loss against the target's top-k distribution instead of its argmax token")
     td.add_argument("--random-init", action="store_true", help="do not start from the target's top layers")
-    td.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="compute precision of the target and the drafter in training (bf16 inputs to every dot, "
-                         "float32 accumulation); master weights stay float32; auto = as for decoding")
+    _add_training_dtype_option(td, "the drafter")
     td.add_argument("--init-drafter", metavar="DRAFTER",
                     help="warm start: begin from this trained drafter (default, or a DFlash folder) instead of "
                          "the target's top layers; a drafter without the anchor path gains it")
@@ -1138,6 +1146,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--drafted-input-rate", type=float, default=0.3,
                     help="scheduled sampling: final share of slots whose left token is the drafter's draft")
     tr.add_argument("--seed", type=int, default=1, help="data and init seed (differs from the drafter's by default)")
+    tr.add_argument("--generate-batch", type=int, default=32,
+                    help="rows decoded together while the target answers prompts (finished rows are refilled)")
+    _add_training_dtype_option(tr, "the refiner")
     tr.add_argument("--json", action="store_true")
     _add_mesh_options(tr)
     tr.set_defaults(func=cmd_train_refiner)
@@ -1155,6 +1166,7 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--steps", type=int, default=300)
     tc.add_argument("--learning-rate", type=float, default=3e-3)
     tc.add_argument("--seed", type=int, default=0)
+    _add_training_dtype_option(tc, "the compressor")
     tc.add_argument("--json", action="store_true")
     _add_mesh_options(tc)
     tc.set_defaults(func=cmd_train_compressor)

@@ -17,3 +17,13 @@ def check_positive_finite(**values: float) -> None:
     for name, value in values.items():
         if not 0 < value < float("inf"):
             raise SpecjaxError(f"{name} must be a finite number > 0, got {value}")
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+"""The compute precisions every model path supports (bf16: bf16 dot inputs, float32 accumulation)."""
+
+
+def check_compute_dtype(dtype: str) -> None:
+    """Refuse a compute precision no model path supports."""
+    if dtype not in COMPUTE_DTYPES:
+        raise SpecjaxError(f"unknown compute dtype {dtype!r}; available: {', '.join(COMPUTE_DTYPES)}")

@@ -355,3 +355,30 @@ def test_memory_command_on_a_sliding_target_without_a_drafter(capsys, tmp_path):
     # Two layers: a full one (one slot per position) and a sliding one (window 4, ring 4 + 16 - 1).
     assert (small, large) == ((128 + 19) * slot, (256 + 19) * slot)
     assert report["drafter_kv_bytes"]["windowed"][1] < report["drafter_kv_bytes"]["full"][1]
+
+
+@pytest.mark.parametrize("command,module,function", [
+    ("train-refiner", "specjax.train.refiner", "train_refiner_recipe"),
+    ("train-compressor", "specjax.train.compressor", "train_compressor_recipe"),
+])
+def test_training_commands_take_a_compute_precision(tmp_path, monkeypatch, capsys, command, module, function):
+    """train-refiner and train-compressor run the target, so they take --dtype as train-drafter does
+    (auto: the decoding default of this backend); train-refiner also sizes its generation batch."""
+    import importlib
+
+    from specjax.io.registry import compute_dtype
+
+    recipes = []
+
+    def record(model_name, drafter_spec, out_dir, recipe):
+        recipes.append(recipe)
+        return {"out": str(out_dir)}
+
+    monkeypatch.setattr(importlib.import_module(module), function, record)
+    extra = ["--generate-batch", "64"] if command == "train-refiner" else []
+    assert main([command, "--out", str(tmp_path / "a"), "--dtype", "bfloat16", "--json", *extra]) == 0
+    assert main([command, "--out", str(tmp_path / "b"), "--json"]) == 0
+    assert [r.dtype for r in recipes] == ["bfloat16", compute_dtype("auto")]
+    if command == "train-refiner":
+        assert [r.generate_batch for r in recipes] == [64, 32]
+    capsys.readouterr()

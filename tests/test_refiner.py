@@ -278,3 +278,37 @@ def test_training_improves_the_held_out_acceptance_estimate(target, tmp_path):
     engine = Engine(target, drafter, refiner=refiner)
     assert engine.generate(PROMPTS, 20, ignore_eos=True, method="chain+refiner").tokens == \
         engine.generate(PROMPTS, 20, ignore_eos=True).tokens
+
+
+def test_refiner_and_compressor_train_at_bf16_compute_with_float32_weights(target, drafter, tmp_path):
+    """`--dtype bfloat16` on train-refiner and train-compressor: the target and the frozen drafter
+    compute in bf16 (so the first loss moves, but only by rounding), while the trained weights and
+    their updates stay float32."""
+    from specjax.io.registry import at_compute_dtype
+    from specjax.models.drafter import DrafterWindow
+    from specjax.train.compressor import train_compressor
+    from specjax.train.drafter import DrafterTrainConfig
+
+    data = tiny_distillation_set(target, tmp_path / "data", 3, n=16)  # 48-token sequences
+    batches = dict(sequences_per_batch=4, anchors_per_sequence=8)
+    optimizer = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=2)
+    loop = LoopConfig(steps=2, log_every=1, eval_every=0, checkpoint_every=2, progress=False)
+    first_losses = {}
+    for dtype in ("float32", "bfloat16"):
+        t, d = at_compute_dtype(target, dtype), at_compute_dtype(drafter, dtype)
+        assert {a.dtype for a in jax.tree.leaves(d.params)} == {jnp.dtype(dtype)}
+        refiner = train_refiner(t.params, t.config, d, _config("gru"), data, tmp_path / dtype / "refiner", optimizer,
+                                loop, RefinerTrainConfig(**batches))
+        compressor = train_compressor(t.params, t.config, d.config, d.params, DrafterWindow(window=6, segment=4,
+                                                                                            summaries=2),
+                                      data, tmp_path / dtype / "compressor", optimizer, loop,
+                                      DrafterTrainConfig(**batches))
+        for name, params in (("refiner", refiner), ("compressor", compressor)):
+            assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype("float32")}, (dtype, name)
+            losses = [m["loss"] for m in read_metrics(tmp_path / dtype / name) if "loss" in m]
+            assert len(losses) == 2 and np.all(np.isfinite(losses)), (dtype, name)
+            first_losses[dtype, name] = losses[0]
+    for name in ("refiner", "compressor"):
+        ours, reference = first_losses["bfloat16", name], first_losses["float32", name]
+        assert ours != reference, f"{name}: the bf16 run computed exactly what float32 did"
+        np.testing.assert_allclose(ours, reference, rtol=0.05, err_msg=name)

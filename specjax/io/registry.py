@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import SpecjaxError
+from specjax.errors import COMPUTE_DTYPES, SpecjaxError, check_compute_dtype
 from specjax.files import cache_root, make_dir
 from specjax.io.tokenizer import TextTokenizer
 from specjax.models.config import TransformerConfig
@@ -219,8 +219,6 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
     return at_compute_dtype(LoadedModel(str(name_or_path), config, params, tokenizer, tuple(eos)), dtype)
 
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
-
 AUTO_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "float32", "tpu": "float32"}
 """`--dtype auto` per backend where nothing better is measured: float32. A CPU whose cores have bf16
 dot instructions is the exception (auto_compute_dtype)."""
@@ -310,8 +308,7 @@ def at_compute_dtype(loaded, dtype: str):
     """A model or drafter (anything with .config.dtype and .params) that computes in `dtype`: its params
     are stored in it, and every dot takes it as input (bf16 accumulates in float32). The target is
     defined by its compute precision: speculative output is exact against AR at the same dtype."""
-    if dtype not in COMPUTE_DTYPES:
-        raise SpecjaxError(f"unknown compute dtype {dtype!r}; available: {', '.join(COMPUTE_DTYPES)}")
+    check_compute_dtype(dtype)
     if loaded.config.dtype == dtype and all(a.dtype == jnp.dtype(dtype) for a in jax.tree.leaves(loaded.params)):
         return loaded
     # Weights still on the host (just loaded) are cast there, so placing them later sends each

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype, check_positive_finite
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig, DrafterWindow, init_compressor_params
 from specjax.sharding import MeshConfig, built_once, is_writer
@@ -90,11 +90,16 @@ class CompressorRecipe:
     sequences_per_batch: int = 4
     anchors_per_sequence: int = 32
     seed: int = 0
+    dtype: str = "float32"
+    """Compute precision of the target (the long windows' features) and of the frozen drafter the
+    compressor feeds: bfloat16 feeds bf16 into every dot with float32 accumulation, as at decode time
+    under `--dtype bfloat16`. The compressor's weights and optimizer state stay float32."""
 
     mesh: MeshConfig = MeshConfig()
     """Devices to train over (`--mesh`); one device by default."""
 
     def __post_init__(self):
+        check_compute_dtype(self.dtype)
         check_at_least(1, window=self.window, segment=self.segment, summaries=self.summaries,
                        seq_len=self.seq_len, sequences=self.sequences, heldout_sequences=self.heldout_sequences,
                        steps=self.steps, sequences_per_batch=self.sequences_per_batch,
@@ -126,7 +131,7 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
 
     from specjax.data.corpora import load_split
     from specjax.io.compressor import save_compressor
-    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter
     from specjax.models.refiner import drafter_fingerprint
     from specjax.train.drafter import build_distillation_set
     from specjax.train.loop import LoopConfig, OptimizerConfig
@@ -134,8 +139,11 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
 
     out_dir = Path(out_dir)
     write_recipe(out_dir, recipe)
-    model = load_model(model_name)
+    model = load_model(model_name, recipe.dtype)
     drafter = resolve_drafter(drafter_spec, model_name)
+    # The fingerprint is taken from the drafter as stored, so it matches at any compute precision.
+    fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)
+    drafter = at_compute_dtype(drafter, recipe.dtype)
     taps = drafter.config.target_layer_ids
     window = DrafterWindow(recipe.window, recipe.segment, recipe.summaries)
     train_docs, heldout_docs = load_split(recipe.corpora)
@@ -163,7 +171,6 @@ def train_compressor_recipe(model_name: str, drafter_spec: str, out_dir: str | P
         LoopConfig(steps=recipe.steps, seed=recipe.seed, mesh=recipe.mesh, eval_every=max(recipe.steps // 5, 1),
                    checkpoint_every=max(recipe.steps // 5, 1)),
         train_config, heldout=heldout, draft_vocab=drafter.draft_vocab)
-    fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)
     if is_writer():
         save_compressor(out_dir / "compressor", window, drafter.config.hidden_size, params, fingerprint,
                         dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe)})

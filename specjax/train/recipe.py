@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype, check_positive_finite
 from specjax.sharding import MeshConfig, built_once, is_writer
 
 
@@ -83,8 +83,7 @@ class DistillRecipe:
     """Devices to train over (`--mesh`); one device by default."""
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise SpecjaxError(f"unknown compute dtype {self.dtype!r}; available: float32, bfloat16")
+        check_compute_dtype(self.dtype)
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
                        code_prompts=self.code_prompts, self_instruct_prompts=self.self_instruct_prompts,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError, check_at_least, check_positive_finite
+from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype, check_positive_finite
 from specjax.sharding import MeshConfig, is_writer
 from specjax.models.drafter import DrafterConfig
 from specjax.models.config import TransformerConfig
@@ -221,14 +221,21 @@ class RefinerRecipe:
     seed: int = 1
     """Seeds prompts, windows, batches and init. The default differs from the drafter's recipe so the
     refiner learns from text the drafter was not trained on, where its drafts look as at decode time."""
+    generate_batch: int = 32
+    """Rows decoded together while the target answers the prompts (finished rows are refilled)."""
+    dtype: str = "float32"
+    """Compute precision of the target (data generation, features, head) and of the frozen drafter
+    whose drafts the refiner corrects: bfloat16 feeds bf16 into every dot with float32 accumulation,
+    as at decode time under `--dtype bfloat16`. The refiner's weights and optimizer state stay float32."""
 
     mesh: MeshConfig = MeshConfig()
     """Devices to train over (`--mesh`); one device by default."""
 
     def __post_init__(self):
+        check_compute_dtype(self.dtype)
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        everyday_prompts=self.everyday_prompts)
-        check_at_least(1, width=self.width, rank=self.rank, steps=self.steps)
+        check_at_least(1, width=self.width, rank=self.rank, steps=self.steps, generate_batch=self.generate_batch)
         check_positive_finite(learning_rate=self.learning_rate)
         if not 0.0 <= self.drafted_input_rate <= 1.0:
             raise SpecjaxError(f"drafted_input_rate must be in [0, 1], got {self.drafted_input_rate}")
@@ -243,19 +250,23 @@ def _log(message: str) -> None:
 def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path,
                          recipe: RefinerRecipe = RefinerRecipe()) -> dict:
     from specjax.io.refiner import save_refiner
-    from specjax.io.registry import load_model, resolve_drafter
+    from specjax.io.registry import at_compute_dtype, load_model, resolve_drafter
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
     from specjax.train.recipe import DistillRecipe, build_data, write_recipe
 
     out_dir = Path(out_dir)
-    model = load_model(model_name)
+    model = load_model(model_name, recipe.dtype)
     drafter = resolve_drafter(drafter_spec, model_name)
+    # The fingerprint is taken from the drafter as stored, so it matches at any compute precision.
+    fingerprint = drafter_fingerprint(drafter.params, drafter.draft_vocab)
+    drafter = at_compute_dtype(drafter, recipe.dtype)
     from specjax.io.dflash import check_pair
     check_pair(drafter, model.config)
     write_recipe(out_dir, recipe)
     sets, heldout = build_data(model, DistillRecipe(chat_prompts=recipe.chat_prompts,
                                                     corpus_sequences=recipe.corpus_sequences,
-                                                    everyday_prompts=recipe.everyday_prompts, seed=recipe.seed),
+                                                    everyday_prompts=recipe.everyday_prompts, seed=recipe.seed,
+                                                    generate_batch=recipe.generate_batch, dtype=recipe.dtype),
                                out_dir / "data", drafter.config.target_layer_ids)
     _log(f"training a {recipe.kind} refiner on {sum(s.num_tokens for s in sets):,} labelled tokens; "
          f"held out {heldout.num_tokens:,}")
@@ -273,7 +284,7 @@ def train_refiner_recipe(model_name: str, drafter_spec: str, out_dir: str | Path
     evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_fixed_point" in m]
     last = evals[-1] if evals else {}
     if is_writer():
-        save_refiner(out_dir / "refiner", config, params, drafter_fingerprint(drafter.params, drafter.draft_vocab),
+        save_refiner(out_dir / "refiner", config, params, fingerprint,
                      dtype="bfloat16", extra={"recipe": dataclasses.asdict(recipe), "drafter": drafter_spec,
                                               **{k.removeprefix("eval/"): v for k, v in last.items()
                                                  if k.startswith("eval/")}})
