@@ -662,6 +662,7 @@ def cmd_data(args) -> int:
 
 def cmd_train_lm(args) -> int:
     from specjax.data.corpora import check_corpus_names, load_split
+    from specjax.io.registry import compute_dtype
     from specjax.train.lm import LMDataConfig, train_language_model
     from specjax.train.loop import LoopConfig, OptimizerConfig
 
@@ -674,7 +675,7 @@ def cmd_train_lm(args) -> int:
     make_dir(args.out, "--out")
     train_docs, heldout_docs = load_split(tuple(args.corpus))
     summary = train_language_model([d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
-                                   optimizer, loop)
+                                   optimizer, loop, dtype=compute_dtype(args.dtype))
     print(json.dumps(summary) if args.json else
           f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {Path(args.out) / 'model'}")
     return 0
@@ -849,9 +850,9 @@ def _add_dtype_option(parser) -> None:
 
 def _add_training_dtype_option(parser, trained: str) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help=f"compute precision of the target and drafter in data generation and training (bf16 "
-                             f"inputs to every dot, float32 accumulation); the weights of {trained} stay float32; "
-                             "auto = as for decoding")
+                        help=f"compute precision of every model the command runs, in data generation and training "
+                             f"(bf16 inputs to every dot, float32 accumulation); the weights of {trained} stay "
+                             "float32; auto = as for decoding")
 
 
 def _load_target(args, name: str | None = None, served: bool = False):
@@ -1088,6 +1089,7 @@ def build_parser() -> argparse.ArgumentParser:
     lm.add_argument("--checkpoint-every", type=int, default=200)
     lm.add_argument("--seed", type=int, default=0)
     lm.add_argument("--json", action="store_true")
+    _add_training_dtype_option(lm, "the model")
     _add_mesh_options(lm)
     lm.set_defaults(func=cmd_train_lm)
 

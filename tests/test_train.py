@@ -246,3 +246,18 @@ def test_a_drafter_grown_by_a_layer_starts_as_the_drafter_it_grew_from(target, d
         init_from_drafter(init_drafter_params(drafter.config, jax.random.key(0)), drafter.config, grown)
     ungrown = LoadedDrafter("random", deeper, random, target.config.num_layers)
     assert np.abs(probe(ungrown) - probe(drafter)).max() > 1e-3  # without zeroed projections it differs
+
+
+def test_bf16_compute_trains_float32_weights(tmp_path):
+    """train-lm --dtype bfloat16: bf16 inputs to every dot, so the first loss moves, by rounding only,
+    and the run still learns; an unknown precision is refused."""
+    texts = _texts()
+    loop = LoopConfig(steps=10, log_every=1, eval_every=0, checkpoint_every=10, progress=False)
+    for dtype in ("float32", "bfloat16"):
+        train_language_model(texts[:5], texts[5:], tmp_path / dtype, DATA, OPT, loop, dtype=dtype)
+    first = {d: [m["loss"] for m in read_metrics(tmp_path / d) if "loss" in m] for d in ("float32", "bfloat16")}
+    assert first["bfloat16"][0] != first["float32"][0]
+    np.testing.assert_allclose(first["bfloat16"][0], first["float32"][0], rtol=0.02)
+    assert first["bfloat16"][-1] < first["bfloat16"][0] - 0.5
+    with pytest.raises(SpecjaxError, match="unknown compute dtype"):
+        train_language_model(texts[:5], texts[5:], tmp_path / "bad", DATA, OPT, loop, dtype="float16")

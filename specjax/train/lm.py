@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError, check_at_least
+from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype
 from specjax.io.hf import save_hf_model
 from specjax.io.tokenizer import TextTokenizer
 from specjax.models.cache import KVCache
@@ -111,11 +111,16 @@ def train_language_model(
     optimizer: OptimizerConfig = OptimizerConfig(),
     loop: LoopConfig = LoopConfig(),
     model_config: TransformerConfig | None = None,
+    dtype: str | None = None,
 ) -> dict:
     """Train a tokenizer and a small LM; write out_dir/model as an HF folder. Resumes from out_dir.
 
-    Returns a summary with the held-out loss and perplexity of the final model.
+    dtype, when given, is the compute precision of the forward and backward passes (bfloat16: bf16
+    inputs to every dot, float32 accumulation); the weights, their updates and the saved model stay
+    float32. Returns a summary with the held-out loss and perplexity of the final model.
     """
+    if dtype is not None:
+        check_compute_dtype(dtype)
     out_dir = Path(out_dir)
     if not train_texts or not heldout_texts:
         raise SpecjaxError("need at least one training and one held-out document")
@@ -126,6 +131,7 @@ def train_language_model(
                f"the tokenizer in {tokenizer_dir}")
     tokenizer = TextTokenizer.from_hf_folder(tokenizer_dir)
     config = model_config or tiny_lm_config(tokenizer.vocab_size, max_positions=max(1024, data.seq_len))
+    config = config if dtype is None else dataclasses.replace(config, dtype=dtype)
     train_stream = token_stream(tokenizer, train_texts)
     heldout_stream = token_stream(tokenizer, heldout_texts)
     eval_batches = [sample_windows(heldout_stream, 10_000 + loop.seed, i, data.batch_size, data.seq_len)
