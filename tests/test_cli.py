@@ -361,7 +361,7 @@ def test_memory_command_on_a_sliding_target_without_a_drafter(capsys, tmp_path):
     ("train-refiner", "specjax.train.refiner", "train_refiner_recipe"),
     ("train-compressor", "specjax.train.compressor", "train_compressor_recipe"),
 ])
-def test_training_commands_take_a_compute_precision(tmp_path, monkeypatch, capsys, command, module, function):
+def test_training_commands_take_a_compute_precision(tmp_path, monkeypatch, command, module, function):
     """train-refiner and train-compressor run the target, so they take --dtype as train-drafter does
     (auto: the decoding default of this backend); train-refiner also sizes its generation batch."""
     import importlib
@@ -381,4 +381,3 @@ def test_training_commands_take_a_compute_precision(tmp_path, monkeypatch, capsy
     assert [r.dtype for r in recipes] == ["bfloat16", compute_dtype("auto")]
     if command == "train-refiner":
         assert [r.generate_batch for r in recipes] == [64, 32]
-    capsys.readouterr()

@@ -248,7 +248,7 @@ def test_a_drafter_grown_by_a_layer_starts_as_the_drafter_it_grew_from(target, d
     assert np.abs(probe(ungrown) - probe(drafter)).max() > 1e-3  # without zeroed projections it differs
 
 
-def test_bf16_compute_trains_float32_weights(tmp_path):
+def test_bf16_compute_rounds_differently_and_still_learns(tmp_path):
     """train-lm --dtype bfloat16: bf16 inputs to every dot, so the first loss moves, by rounding only,
     and the run still learns; an unknown precision is refused."""
     texts = _texts()
