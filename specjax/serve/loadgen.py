@@ -75,12 +75,42 @@ def arrival_times(spec: LoadSpec) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
 
 
-async def _one_request(client, url: str, prompt: str, spec: LoadSpec) -> Outcome:
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """One request the load generator sends."""
+
+    prompt: str
+    """The user turn (chat) or the prompt text (completions)."""
+    max_tokens: int | None = None
+    """Its output length (None: LoadSpec.max_tokens), e.g. the length of the reply a dataset recorded."""
+
+
+def sharegpt_load(count: int, seed: int, max_tokens: int, tokenizer, split: str = "heldout") -> list[LoadRequest]:
+    """Requests sampled as `vllm bench serve` samples ShareGPT: the prompt is a conversation's opening
+    human turn and the output length is its recorded reply's, in tokens, at most max_tokens. From the
+    held-out split by default, so a serving benchmark never measures on training prompts. As vLLM
+    does, replies under 4 tokens are skipped."""
+    from specjax.data.sharegpt import sharegpt_requests
+
+    requests = sharegpt_requests(split, "first")
+    order = np.random.default_rng(seed).permutation(len(requests))
+    out = []
+    for i in order:
+        length = len(tokenizer.encode(requests[i].reply, add_special_tokens=False))
+        if length >= 4:
+            out.append(LoadRequest(requests[i].messages[-1]["content"], min(length, max_tokens)))
+        if len(out) == count:
+            break
+    return out
+
+
+async def _one_request(client, url: str, request: LoadRequest, spec: LoadSpec) -> Outcome:
+    prompt = request.prompt
     if spec.chat:
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
     else:
         path, body = "/v1/completions", {"prompt": prompt}
-    body.update(max_tokens=spec.max_tokens, temperature=0, stream=True)
+    body.update(max_tokens=request.max_tokens or spec.max_tokens, temperature=0, stream=True)
     started = time.perf_counter()
     outcome = Outcome(ok=False, status=0)
     last = None
@@ -141,9 +171,10 @@ async def _sample_kv_bytes(client, url: str, samples: list[float], every_s: floa
         await asyncio.sleep(every_s)
 
 
-async def run_load(url: str, prompts: list[str], spec: LoadSpec,
+async def run_load(url: str, prompts: list[str | LoadRequest], spec: LoadSpec,
                    kv_samples: list[float] | None = None) -> list[Outcome]:
     """Send spec.num_requests requests (prompts cycled) on the arrival schedule; return every outcome.
+    A prompt is text (output length spec.max_tokens) or a LoadRequest with its own length.
     kv_samples: if given, the server's KV bytes in use are sampled into it during the run."""
     import httpx
 
@@ -162,7 +193,9 @@ async def run_load(url: str, prompts: list[str], spec: LoadSpec,
         async def scheduled(i: int) -> Outcome:
             await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - began)))
             async with gate:
-                return await _one_request(client, url, prompts[i % len(prompts)], spec)
+                prompt = prompts[i % len(prompts)]
+                request = prompt if isinstance(prompt, LoadRequest) else LoadRequest(prompt)
+                return await _one_request(client, url, request, spec)
 
         tasks = [asyncio.ensure_future(scheduled(i)) for i in range(spec.num_requests)]
         sampler = None if kv_samples is None else asyncio.ensure_future(_sample_kv_bytes(client, url, kv_samples))
@@ -227,7 +260,7 @@ def parse_goodput(text: str | None) -> dict[str, float]:
     return out
 
 
-def benchmark(url: str, prompts: list[str], spec: LoadSpec, goodput: dict[str, float] | None = None) -> dict:
+def benchmark(url: str, prompts: list[str | LoadRequest], spec: LoadSpec, goodput: dict[str, float] | None = None) -> dict:
     began = time.perf_counter()
     kv_samples: list[float] = []
     outcomes = asyncio.run(run_load(url, prompts, spec, kv_samples))

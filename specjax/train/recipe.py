@@ -32,6 +32,18 @@ class DistillRecipe:
     self_instruct_prompts: int = 0
     """Instructions that have the target write requests itself (self-instruct); the distinct requests
     it writes that touch no held-out prompt become self-distillation prompts (fewer than this)."""
+    sharegpt_prompts: int = 0
+    """Self-distillation prompts from ShareGPT's training split: real human requests (with the
+    conversation before them, see sharegpt_turns) that the target answers greedily."""
+    sharegpt_replies: int = 0
+    """ShareGPT training-split requests whose recorded assistant replies are teacher-forced through the
+    target, labelled with its argmax (EAGLE-style: one forward pass per sequence, no generation)."""
+    sharegpt_turns: str = "all"
+    """Which human turns ShareGPT requests come from: "first" (each conversation's opening request) or
+    "all" (later turns too, after the conversation so far)."""
+    heldout_sharegpt: int = 0
+    """Requests from ShareGPT's held-out split that the target answers for the in-training acceptance
+    estimate; 0 estimates on the built-in held-out chat prompts instead."""
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
@@ -85,6 +97,8 @@ class DistillRecipe:
     def __post_init__(self):
         check_compute_dtype(self.dtype)
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
+                       sharegpt_prompts=self.sharegpt_prompts, sharegpt_replies=self.sharegpt_replies,
+                       heldout_sharegpt=self.heldout_sharegpt,
                        everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
                        code_prompts=self.code_prompts, self_instruct_prompts=self.self_instruct_prompts,
                        draft_vocab_size=self.draft_vocab_size)
@@ -106,10 +120,13 @@ class DistillRecipe:
         if self.everyday_prompts > everyday_capacity():
             raise SpecjaxError(f"everyday_prompts is {self.everyday_prompts}, but only {everyday_capacity()} "
                                "distinct everyday requests exist")
+        if self.sharegpt_turns not in ("first", "all"):
+            raise SpecjaxError(f"sharegpt_turns must be 'first' or 'all', got {self.sharegpt_turns!r}")
         if (self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts
-                + self.self_instruct_prompts == 0):
+                + self.self_instruct_prompts + self.sharegpt_prompts + self.sharegpt_replies == 0):
             raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, everyday_prompts, "
-                               "math_prompts, code_prompts and self_instruct_prompts are all 0")
+                               "math_prompts, code_prompts, self_instruct_prompts, sharegpt_prompts and "
+                               "sharegpt_replies are all 0")
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)
@@ -141,6 +158,32 @@ def _answered_prompts(folders) -> set[tuple[int, ...]]:
     return answered
 
 
+def fit_chat_prompt(tok, messages, limit: int) -> list[int] | None:
+    """The chat ids of a request within `limit` tokens, dropping its earliest messages first; None when
+    the last message alone does not fit (a cut message would lose the template's assistant turn)."""
+    messages = list(messages)
+    for first in range(len(messages)):
+        ids = tok.encode_chat(messages[first:])
+        if len(ids) <= limit:
+            return ids
+    return None
+
+
+def sharegpt_training_requests(recipe: DistillRecipe) -> tuple[list, list]:
+    """(requests the target answers, requests whose recorded replies are teacher-forced): disjoint
+    draws from ShareGPT's training split, in an order fixed by the recipe's seed."""
+    from specjax.data.sharegpt import sharegpt_requests
+
+    requests = sharegpt_requests("train", recipe.sharegpt_turns)
+    wanted = recipe.sharegpt_prompts + recipe.sharegpt_replies
+    if wanted > len(requests):
+        raise SpecjaxError(f"the recipe asks for {wanted} ShareGPT requests, but the training split has "
+                           f"{len(requests)} ({recipe.sharegpt_turns} turns)")
+    order = np.random.default_rng([recipe.seed, 45]).permutation(len(requests))
+    picked = [requests[i] for i in order[:wanted]]
+    return picked[: recipe.sharegpt_prompts], picked[recipe.sharegpt_prompts:]
+
+
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
@@ -169,9 +212,13 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 
     answered_before = _answered_prompts(recipe.avoid_prompts_from)
 
-    def build_continuations(prompts: list[str], folder: Path, what: str) -> None:
-        ids = [tok.encode_chat(p) for p in prompts]
-        if answered_before and folder.name != "heldout_chat":
+    def build_continuations(prompts: list, folder: Path, what: str) -> None:
+        # A prompt is text or chat messages; a conversation that does not fit loses its earliest turns
+        # (a text prompt that does not fit is skipped by the generator, which counts it).
+        ids = [tok.encode_chat(p) if isinstance(p, str) else fit_chat_prompt(tok, p, generator.max_prompt_tokens)
+               for p in prompts]
+        ids = [i for i in ids if i is not None]
+        if answered_before and not folder.name.startswith("heldout"):
             fresh = [i for i in ids if tuple(i) not in answered_before]
             if len(fresh) < len(ids):
                 _log(f"{what}: {len(ids) - len(fresh)} of {len(ids)} prompts were answered in an earlier run "
@@ -217,10 +264,37 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 
         built_once(written.exists, write_requests, f"self-instruct requests in {written}")
         sets.append(continuations(json.loads(written.read_text()), out_dir / "self_instruct", "self-instruct"))
-    # The demo prompts and the held-out set's chat prompts: 42 answers, so that no single answer
-    # dominates the acceptance estimate; answers stuck in a loop are left out of it.
-    heldout = continuations(list(HELDOUT_CHAT_PROMPTS) + heldout_prompts("chat"), out_dir / "heldout_chat",
-                            "held-out chat")
+    if recipe.sharegpt_prompts or recipe.sharegpt_replies:
+        asked, replied = sharegpt_training_requests(recipe)
+        if asked:
+            sets.append(continuations([list(r.messages) for r in asked], out_dir / "sharegpt", "ShareGPT requests"))
+        if replied:
+            folder = out_dir / "sharegpt_replies"
+
+            def build_replies() -> None:
+                rows = []
+                for r in replied:
+                    prompt = fit_chat_prompt(tok, r.messages, recipe.seq_len // 2)
+                    if prompt is not None:
+                        reply = tok.encode(r.reply, add_special_tokens=False) + list(model.eos_token_ids[:1])
+                        rows.append((prompt + reply, len(prompt)))
+                _log(f"ShareGPT replies: {len(rows)} of {len(replied)} requests fit; teacher-forcing their replies")
+                build_distillation_set(model.params, model.config, rows, folder, taps, recipe.seq_len,
+                                       teacher_labels=True, topk=recipe.target_topk)
+
+            built_once(lambda: done(folder), build_replies, f"ShareGPT reply data in {folder}")
+            sets.append(DistillationSet.open(folder))
+    if recipe.heldout_sharegpt:
+        from specjax.data.sharegpt import sharegpt_requests
+
+        held = sharegpt_requests("heldout", "first")[: recipe.heldout_sharegpt]
+        heldout = continuations([list(r.messages) for r in held], out_dir / "heldout_sharegpt",
+                                "held-out ShareGPT")
+    else:
+        # The demo prompts and the held-out set's chat prompts: 42 answers, so that no single answer
+        # dominates the acceptance estimate; answers stuck in a loop are left out of it.
+        heldout = continuations(list(HELDOUT_CHAT_PROMPTS) + heldout_prompts("chat"), out_dir / "heldout_chat",
+                                "held-out chat")
     heldout, looping = without_looping(heldout)
     if looping:
         _log(f"held-out chat: {looping} of {heldout.num_sequences + looping} answers are stuck in a loop "
