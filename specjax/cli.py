@@ -73,6 +73,7 @@ _METHOD_OPTIONS = {
                 ("chain+refiner", "tree+refiner")),
     "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
     "rapid": (("rapid_drafts", "rapid_eta"), ("rapid",)),
+    "ngram": (("ngram_drafts", "ngram_max", "ngram_min"), ("ngram",)),
     "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score",
                    "redraft_every", "drafting_length"), ("rapid", "rapid+block")),
 }
@@ -110,6 +111,7 @@ def _check_decode_args(args, methods: list[str]) -> None:
                            f"{args.model}'s context of {context} tokens")
     _refine_config(args)
     _tree_config(args)
+    _ngram_config(args)
     retrieving = [m for m, base in zip(methods, bases) if base in _METHOD_OPTIONS["retrieval"][1]]
     # generate and bench read the document from --context-file; a server's requests carry theirs.
     if retrieving and hasattr(args, "context_file") and not args.context_file:
@@ -121,6 +123,12 @@ def _check_decode_args(args, methods: list[str]) -> None:
         _retrieval_config(args)
         if not Path(args.context_file).is_file():
             raise SpecjaxError(f"--context-file {args.context_file} is not a file")
+
+
+def _ngram_config(args):
+    from specjax.decode.ngram import NgramConfig
+
+    return NgramConfig(drafts=args.ngram_drafts, max_n=args.ngram_max, min_n=args.ngram_min)
 
 
 def _retrieval_config(args):
@@ -223,7 +231,7 @@ def cmd_generate(args) -> int:
         on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
         refine=_refine_config(args), tree=_tree_config(args),
         drafting_prompts=None if long is None or long.drafting is None else [long.drafting],
-        rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), redraft=redraft)
+        rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), redraft=redraft, ngram=_ngram_config(args))
     if long is not None:
         result.stats["long_context"] = long.summary(retrieval)
     texts = [decode(t) for t in result.tokens]
@@ -428,7 +436,8 @@ def cmd_bench(args) -> int:
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     options = {"chain+refiner": {"refine": _refine_config(args)}, "tree": {"tree": _tree_config(args)},
-               "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)}}
+               "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)},
+               "ngram": {"ngram": _ngram_config(args)}}
     long = None
     if args.context_file:  # one long-context request, the same for every method
         long, retrieval, redraft = _long_context(args, model, methods)
@@ -890,6 +899,9 @@ def _add_retrieval_options(parser, context_file: bool = True) -> None:
                                                                     "context")
     parser.add_argument("--rapid-eta", type=float, default=0.0,
                         help="rapid: knowledge transfer toward the drafts (0 = lossless; > 0 is LOSSY and labelled)")
+    parser.add_argument("--ngram-drafts", type=int, default=7, help="ngram: tokens copied from the context per step")
+    parser.add_argument("--ngram-max", type=int, default=4, help="ngram: longest n-gram matched (tried first)")
+    parser.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest n-gram matched")
     from specjax.data.retrieval import RETRIEVERS
 
     parser.add_argument("--retriever", default="minilm", choices=list(RETRIEVERS),
@@ -954,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--drafter", default="default")
     bench.add_argument("--methods", default="ar,chain",
-                       help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner")
+                       help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner, ngram (prompt lookup, no drafter)")
     _add_refiner_options(bench)
     _add_tree_options(bench)
     _add_window_options(bench)

@@ -38,6 +38,7 @@ from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import forward, head_matrix, token_embedder, with_float32_embedding
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.decode.rapid import RapidConfig, Redraft
+from specjax.decode.ngram import NgramConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
 METHODS = tuple(SLOT_METHODS)
@@ -89,6 +90,8 @@ class DecodeRequestShape:
     steps_per_sync: int = 0
     """Steps per device call of a loop that syncs with the host (streaming, re-retrieval); 0 when
     one call runs to the end (`Engine._steps_per_sync`)."""
+    ngram: NgramConfig | None = None
+    """How ngram drafts; None for the other methods."""
 
     @property
     def streaming(self) -> bool:
@@ -170,7 +173,8 @@ class Engine:
                  stream_every: int = 8, denoise_steps: int = 1,
                  refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
                  drafting_prompts: Sequence[Sequence[int]] | None = None,
-                 rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None) -> GenerationResult:
+                 rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None,
+                 ngram: NgramConfig = NgramConfig()) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
@@ -185,6 +189,7 @@ class Engine:
         drafting_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
         question, `data/retrieval.py`); the target verifies with the prompt itself.
         rapid: how rapid drafts.
+        ngram: how ngram (prompt lookup) drafts.
         redraft: re-retrieval for rapid and rapid+block: every `redraft.every` generated tokens each
         row's drafting context is rebuilt from `redraft.prompt_for` (the loop then syncs with the host
         about that often, as streaming does).
@@ -233,6 +238,8 @@ class Engine:
             slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
         if spec.needs_retrieval and not spec.needs_drafter:
             slack = rapid.drafts + 1
+        if spec.needs_ngram:
+            slack = ngram.drafts + 1
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
         drafting_bucket = 0
@@ -253,6 +260,7 @@ class Engine:
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
             rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
+            ngram=ngram if spec.needs_ngram else None,
             drafting_bucket=drafting_bucket,
             # The first draft pass writes from one slot before last_token (decode/rapid.py).
             drafting_length=(_round_up(max(drafting_bucket, redraft.max_prompt_tokens if redraft else 0)
@@ -274,7 +282,7 @@ class Engine:
         """Steps per device call of a host-synced loop: about `stream_every` tokens when streaming (a
         speculative step is counted as two tokens), or, for re-retrieval alone, at most
         `redraft.every` tokens (one block per step). 0 when nothing syncs: one call runs to the end."""
-        speculative = spec.needs_drafter or spec.needs_retrieval
+        speculative = spec.needs_drafter or spec.needs_retrieval or spec.needs_ngram
         if streamed:
             return max(1, stream_every // 2) if speculative else stream_every
         if redraft is not None:
@@ -349,7 +357,7 @@ class Engine:
         target_params, prompt_tokens, prompt_lengths, rng = args
         batch = shape.batch
         uses_drafter = slot_api.slot_method(shape.method).needs_drafter
-        speculative = uses_drafter or shape.rapid is not None
+        speculative = uses_drafter or shape.rapid is not None or shape.ngram is not None
         on_retrieval = uses_drafter and shape.drafting_length > 0  # rapid+block
         statics = slot_api.SlotStatics(
             target_config=self.decode_config(shape),
@@ -360,7 +368,7 @@ class Engine:
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
-            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval)
+            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval, ngram=shape.ngram)
         latency = None
         if uses_drafter:
             draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
@@ -457,6 +465,11 @@ class Engine:
                          redraft_prefill_tokens=redraft_tokens)
             if redrafts:  # the drafting contexts were refilled: report them as they ended
                 stats["drafting_context_tokens"] = [int(n) for n in to_host(state.drafting_lengths)]
+        if shape.ngram is not None:  # drafting is a few comparisons: the step is its verify pass
+            stats["memory"] = decode_memory(statics.target_config, None, batch, shape.cache_length,
+                                            None if shape.streaming else run)
+            stats["ngram"] = dataclasses.asdict(shape.ngram)
+            return GenerationResult(rows, stats)
         if shape.rapid is not None:
             memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
                                    None if shape.streaming else run)

@@ -11,7 +11,7 @@ is the sampled path with a one-hot distribution on the argmax (see `row_processe
 acceptance rule then accepts exactly the drafts that match the argmax, and resamples the argmax.
 
 Methods live in one registry, `SLOT_METHODS`: ar, chain, chain+refiner, tree and tree+refiner
-(each windowed when its drafter is), and rapid. Every method advances the same `SlotState`, so the
+(each windowed when its drafter is), rapid, and ngram (prompt lookup, no drafter). Every method advances the same `SlotState`, so the
 host side (specjax/serve) never branches on method names, and a caller may change the method
 between two steps (the state holds every part any of them reads), except into rapid: only rapid
 steps keep its retrieval cache current.
@@ -31,6 +31,7 @@ from flax import struct
 from specjax.decode.autoregressive import _eos_array, prefill
 from specjax.decode.budget import TreeCosts, chosen_bucket, median_seconds
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
+from specjax.decode.ngram import NgramConfig, propose_ngram
 from specjax.decode.rapid import RapidConfig, draft_on_retrieved
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig
@@ -182,6 +183,10 @@ class SlotState:
     generated tokens before the first one that is not the target's own greedy choice, i.e. where the
     output leaves the lossless run's (-1: not yet). Up to that token both runs read the same prefix,
     so this is the exact agreement with a lossless run, measured at no extra cost."""
+    history: jax.Array | None = None
+    """[S, cache_length] int32, when an ngram step may run: the token at each of the row's target
+    cache slots (prompt and committed tokens), which prompt lookup copies its drafts from. Every
+    step keeps it current, so a server may switch into ngram at any step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +211,17 @@ class SlotStatics:
     """rapid+block: the drafter's context holds the target's features of the drafting prompt
     (retrieved chunks and question) and of the generated tokens, at drafting-prompt positions,
     rather than the full prompt's, so it grows with the retrieval budget, not the document."""
+    ngram: NgramConfig | None = None
+    """How the ngram method drafts; None when no ngram step will run (the slots then keep no token
+    history)."""
 
     @property
     def block(self) -> int:
-        """Most tokens one verify step commits: the drafter's block (1 for AR), or rapid's drafts + 1."""
+        """Most tokens one verify step commits: the drafter's block (1 for AR), or rapid's or ngram's
+        drafts + 1."""
         drafter = 1 if self.drafter_config is None else self.drafter_config.block_size
-        return max(drafter, 0 if self.rapid is None else self.rapid.drafts + 1)
+        return max(drafter, 0 if self.rapid is None else self.rapid.drafts + 1,
+                   0 if self.ngram is None else self.ngram.drafts + 1)
 
     @property
     def tree_buckets(self) -> tuple[int, ...]:
@@ -263,6 +273,7 @@ def empty_slots(statics: SlotStatics) -> SlotState:
             drafting_cache=KVCache.zeros(statics.target_config, s, statics.drafting_length))),
         **({} if statics.rapid is None or not statics.rapid.lossy else dict(
             lossless_diverged_at=jnp.full((s,), -1, jnp.int32))),
+        **({} if statics.ngram is None else dict(history=jnp.zeros((s, statics.slot.cache_length), jnp.int32))),
     )
 
 
@@ -392,6 +403,14 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         drafter_window=put(state.drafter_window, jnp.zeros((count,), jnp.int32)),
         target_cache=put(state.target_cache, cache),
     )
+    if state.history is not None:  # the prompt (or this chunk of it) at its cache slots
+        width = statics.slot.cache_length
+        held = jnp.minimum(rows, statics.slot.slots - 1)
+        base = (jnp.zeros((count, width), jnp.int32) if request.offsets is None else state.history[held])  # [R, L]
+        at = jnp.arange(request.prompts.shape[1], dtype=jnp.int32)[None, :]  # [1, P]
+        columns = jnp.where(at < request.prompt_lengths[:, None], offsets[:, None] + at, width)  # padding: dropped
+        fresh["history"] = put(state.history, base.at[jnp.arange(count)[:, None], columns].set(request.prompts,
+                                                                                              mode="drop"))
     if state.lossless_diverged_at is not None:  # the first token is the target's own (no transfer at prefill)
         fresh["lossless_diverged_at"] = put(state.lossless_diverged_at, jnp.full((count,), -1, jnp.int32))
     # Without drafting prompts, a drafting-context row's context is left for refresh_drafting, which
@@ -733,6 +752,14 @@ def _commit(state: SlotState, draft, n, next_token, keys, target_cache, context_
     tokens, num_generated, done, advance = commit_tokens(state.tokens, state.num_generated, state.done, draft, n,
                                                          next_token, eos, state.max_new_tokens)
     slot = jnp.arange(statics.block, dtype=jnp.int32)[None, :]
+    if state.history is not None:  # last_token and the drafts after it go to their cache slots
+        written = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, 1 + K]
+        columns = state.lengths[:, None] + jnp.arange(written.shape[1], dtype=jnp.int32)
+        columns = jnp.where(live[:, None], columns, state.history.shape[1])  # done rows: dropped
+        # Slots past the accepted run hold rejected drafts until the next step overwrites them; the
+        # proposer reads only below the row's length.
+        state = state.replace(history=state.history.at[jnp.arange(columns.shape[0])[:, None], columns].set(
+            written, mode="drop"))
     return state.replace(
         tokens=tokens,
         num_generated=num_generated,
@@ -746,6 +773,39 @@ def _commit(state: SlotState, draft, n, next_token, keys, target_cache, context_
         target_cache=target_cache,
         context_cache=context_cache,
     )
+
+
+def _ngram_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None) -> SlotState:
+    """Prompt lookup (decode/ngram.py): copy each row's drafts from its own context, verify them in
+    one target pass and accept per row. The drafts are one-hot draws, so speculative sampling with
+    q = their one-hot keeps the target's distribution exactly. A row with no match verifies filler
+    that it never commits (its limit is 0), taking the target's one token."""
+    tcfg, dcfg = statics.target_config, statics.drafter_config
+    drafts = statics.ngram.drafts
+    keys, accept_keys = split_row_keys(state.keys, 2)
+    draft, available = propose_ngram(state.history, state.lengths, state.last_token, statics.ngram)  # [S, K], [S]
+    verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, K + 1]
+    positions = state.lengths[:, None] + jnp.arange(drafts + 1, dtype=jnp.int32)
+    taps = () if dcfg is None else dcfg.target_layer_ids  # slots with a drafter keep its context current
+    out = forward(parts.target, tcfg, verify_tokens, positions, state.target_cache, state.lengths,
+                  hidden_layers=taps, attend_slots=attend_slots)  # logits [S, K + 1, V]
+
+    def sampled_acceptance():
+        q = jax.nn.one_hot(draft, tcfg.vocab_size, dtype=jnp.float32)  # [S, K, V]
+        p = jax.nn.softmax(row_processed_logits(out.logits, state.sampling), axis=-1)
+        one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
+        n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)
+        return n[:, 0], next_token[:, 0]
+
+    n, next_token = jax.lax.cond(_any_sampled(state.sampling), sampled_acceptance,
+                                 lambda: accept_greedy(draft, out.logits))
+    n, next_token = _within_limit(n, next_token, draft, jnp.minimum(state.draft_limit, available))
+    context = state.context_cache
+    if dcfg is not None:
+        advance = jnp.where(state.done, 0, n + 1)
+        context = append_context(parts.drafter, dcfg, context, out.hidden, positions, state.lengths,
+                                 state.lengths + advance)
+    return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=available)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,6 +822,8 @@ class SlotMethod:
     """Drafts a chain step verifies (None: the drafter's whole block)."""
     needs_retrieval: bool = False
     """Drafts from each row's drafting prompt (rapid, rapid+block): inserts need one per row."""
+    needs_ngram: bool = False
+    """Drafts by prompt lookup from each row's token history (SlotStatics.ngram)."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -772,6 +834,7 @@ SLOT_METHODS: dict[str, SlotMethod] = {
     "tree+refiner": SlotMethod("tree+refiner", partial(_tree_step, refined=True), needs_refiner=True, needs_tree=True),
     "rapid": SlotMethod("rapid", _rapid_step, needs_drafter=False, needs_retrieval=True),
     "rapid+block": SlotMethod("rapid+block", _chain_step, needs_retrieval=True),
+    "ngram": SlotMethod("ngram", _ngram_step, needs_drafter=False, needs_ngram=True),
 }
 
 
@@ -822,6 +885,7 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a drafter", method.needs_drafter, statics.drafter_config is not None),
         ("a refiner", method.needs_refiner, statics.refiner_config is not None),
         ("a tree config", method.needs_tree, statics.tree is not None),
+        ("an n-gram config (SlotStatics.ngram)", method.needs_ngram, statics.ngram is not None),
         ("a drafting context (SlotStatics.drafting_length)", method.needs_retrieval, statics.drafting_length > 0),
         # rapid drafts with the target on its retrieval cache; rapid+block with the drafter on
         # drafting-prompt features.
