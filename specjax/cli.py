@@ -706,7 +706,7 @@ def cmd_train_drafter(args) -> int:
                            code_prompts=args.code_prompts, self_instruct_prompts=args.self_instruct_prompts,
                            sharegpt_prompts=args.sharegpt_prompts, sharegpt_replies=args.sharegpt_replies,
                            sharegpt_turns=args.sharegpt_turns, heldout_sharegpt=args.heldout_sharegpt,
-                           sequences_per_batch=args.sequences_per_batch,
+                           sequences_per_batch=args.sequences_per_batch, features=args.features,
                            anchors_per_sequence=args.anchors_per_sequence,
                            generate_batch=args.generate_batch, seq_len=args.seq_len, num_layers=args.layers,
                            block_size=args.block_size, target_topk=args.target_topk, topk_weight=args.topk_weight,
@@ -1142,6 +1142,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="held-out ShareGPT requests for the in-training tau estimate (0: the built-in chat ones)")
     td.add_argument("--generate-batch", type=int, default=32,
                     help="rows decoded together while the target answers prompts (finished rows are refilled)")
+    td.add_argument("--features", choices=("stored", "online"), default="stored",
+                    help="stored: the target's tap features computed once and kept on disk (about 4.6 kB a token); "
+                         "online: token ids only, the target rerun over every training batch")
     td.add_argument("--seq-len", type=int, default=256)
     td.add_argument("--layers", type=int, default=1)
     td.add_argument("--block-size", type=int, default=16)

@@ -157,7 +157,7 @@ def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_
         answered[str(path)] = [tuple(p) for p in ids]
         return types.SimpleNamespace(sequences=len(ids), new_tokens=len(ids), tokens_per_s=1.0, skipped_long_prompts=0)
 
-    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk):
+    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk, **_):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "meta.json").write_text("{}")
 

@@ -3,6 +3,7 @@ requests from first and later turns, the recipe's two label sources, and bench-s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -116,9 +117,12 @@ def test_the_recipe_draws_disjoint_requests_for_its_two_label_sources(tmp_path, 
         answered[path.name] = [tuple(p) for p in ids]
         return types.SimpleNamespace(sequences=len(ids), new_tokens=len(ids), tokens_per_s=1.0, skipped_long_prompts=0)
 
-    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk):
+    stored = {}
+
+    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk, store_features=True):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "meta.json").write_text("{}")
+        stored[folder.name] = (store_features, topk)
         if teacher_labels:
             forced[folder.name] = list(sequences)
 
@@ -146,6 +150,10 @@ def test_the_recipe_draws_disjoint_requests_for_its_two_label_sources(tmp_path, 
     assert not any(part in held_text for prompt in asked | {p for p, _ in replied} for part in prompt.split(" | "))
     assert all(prompt.split(" | ")[0] in held_text for prompt in held)
     assert all(reply.endswith(chr(3)) and reply[:-1] in {t for c in train for _, t in c.turns} for _, reply in replied)
+    assert set(stored.values()) == {(True, recipe.target_topk)}
+    # Online features: the training sets keep token ids only; the held-out set is stored.
+    build_data(model, dataclasses.replace(recipe, features="online"), tmp_path / "online", taps=(1,))
+    assert stored == {"sharegpt": (False, 0), "sharegpt_replies": (False, 0), "heldout_sharegpt": (True, 8)}
     with pytest.raises(SpecjaxError, match="asks for 500 ShareGPT requests"):
         build_data(model, DistillRecipe(chat_prompts=0, corpus_sequences=0, sharegpt_replies=500), tmp_path / "x",
                    taps=(1,))

@@ -199,6 +199,45 @@ def test_a_features_pass_at_each_batchs_own_width_stores_what_the_full_width_pas
     assert [len(ids) for ids, _ in sequences] != sorted(len(ids) for ids, _ in sequences)  # rows were reordered
 
 
+@pytest.mark.parametrize("teacher_labels", [True, False])
+def test_online_features_recompute_what_a_stored_set_holds(target, drafter, tmp_path, teacher_labels):
+    """An online set keeps token ids only; the training step's target pass gives its batches the
+    stored set's features (to float16 rounding) and labels, so both train alike; sets of the two
+    kinds are not mixed."""
+    from specjax.models.drafter import DrafterConfig
+    from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, build_distillation_set, drafter_loss,
+                                       sample_drafter_batch, with_target_features)
+
+    rng = np.random.default_rng(7)
+    sequences = [(rng.integers(0, target.config.vocab_size, size=int(rng.integers(8, 40))).tolist(),
+                  int(rng.integers(0, 3))) for _ in range(6)]
+    taps = DrafterConfig.for_target(target.config, num_taps=2).target_layer_ids
+    build = lambda folder, stored: build_distillation_set(  # noqa: E731
+        target.params, target.config, sequences, tmp_path / folder, taps, seq_len=48, teacher_labels=teacher_labels,
+        batch_size=3, progress=False, store_features=stored)
+    stored, online = build("stored", True), build("online", False)
+    online = DistillationSet.open(tmp_path / "online")  # reopened from disk
+    assert online.online and not stored.online and not (tmp_path / "online" / "features.f16").exists()
+    cfg = DrafterTrainConfig(sequences_per_batch=3, anchors_per_sequence=8)
+    for step in range(3):
+        want = sample_drafter_batch(stored, step, 0, cfg, drafter.config.block_size)
+        got = sample_drafter_batch(online, step, 0, cfg, drafter.config.block_size)
+        assert "features" not in got and got["teacher"].tolist() == [teacher_labels] * 3
+        got = with_target_features(got, target.params, target.config, taps)
+        valid = want["valid"].astype(bool)
+        np.testing.assert_array_equal(np.asarray(got["labels"])[valid], want["labels"][valid])
+        np.testing.assert_allclose(np.asarray(got["features"], np.float32)[valid],
+                                   np.asarray(want["features"], np.float32)[valid], rtol=2e-3, atol=2e-3)
+        loss = lambda b: float(drafter_loss(drafter.params, b, drafter_config=drafter.config,  # noqa: E731
+                                            target_params=target.params, target_config=target.config, gamma=7.0)[0])
+        assert np.isclose(loss(got), loss(want), rtol=1e-3)
+    with pytest.raises(SpecjaxError, match="mix stored and online"):
+        sample_drafter_batch([stored, online], 0, 0, cfg, drafter.config.block_size)
+    with pytest.raises(SpecjaxError, match="no top-k"):
+        build_distillation_set(target.params, target.config, sequences, tmp_path / "k", taps, seq_len=48,
+                               teacher_labels=True, progress=False, topk=3, store_features=False)
+
+
 def test_the_top_k_loss_is_cross_entropy_against_the_targets_distribution(target, drafter, tmp_path):
     """With all of the target's mass on its argmax the top-k loss is the argmax loss; mass moved to
     its second choice changes the loss, and sets without the top-k are refused by name."""

@@ -2,7 +2,9 @@
 
 Data: sequences of token ids with the target's hidden states at the drafter's tap layers and the
 target's own token labels, computed once (`build_distillation_set`) and stored on disk as
-memory-mapped arrays, so training never reruns the target.
+memory-mapped arrays, so training never reruns the target; or, for data too large for the disk
+(20M tokens of features at 5 taps are 115 GB), only the token ids, with the features and the
+teacher-forced labels recomputed by the target inside every training step (online features).
   - self-distillation: the target's greedy continuations of prompts; labels are the sequence
     itself, so they are exactly what decoding will have to predict;
   - corpus text: teacher-forced; the label at position t is the target's argmax given the true
@@ -62,21 +64,32 @@ class DistillationSet:
     """[N, T] int32: the target's token at each position (what a drafter must predict)."""
     valid: np.ndarray
     """[N, T] bool: the label at this position may be trained on."""
-    features: np.ndarray
-    """[N, T, taps, d] float16 target hidden states at the tap layers."""
+    features: np.ndarray | None
+    """[N, T, taps, d] float16 target hidden states at the tap layers; None for an online set, whose
+    features the target recomputes in every training step (`with_target_features`)."""
     target_layer_ids: tuple[int, ...]
     topk_ids: np.ndarray | None = None
     """[N, T, k] int32: the target's k most likely tokens at each position (from its logits one
     position earlier, as the labels are), or None for a set built without them."""
     topk_logprobs: np.ndarray | None = None
     """[N, T, k] float16: their log-probabilities under the target's full softmax."""
+    teacher_labels: bool = False
+    """Labels are the target's argmax one position earlier (teacher-forced text), not the tokens. In
+    an online set they are recomputed with the features; the stored ones are the tokens themselves,
+    a stand-in that is good enough to choose a draft vocabulary from."""
+
+    @property
+    def online(self) -> bool:
+        """The features (and teacher-forced labels) are recomputed while training, not stored."""
+        return self.features is None
 
     def rows(self, keep: Sequence[int]) -> "DistillationSet":
         """The set's sequences at these rows, read into memory."""
         take = lambda a: None if a is None else np.asarray(a[np.asarray(keep)])  # noqa: E731
         return DistillationSet(tokens=take(self.tokens), labels=take(self.labels), valid=take(self.valid),
                                features=take(self.features), target_layer_ids=self.target_layer_ids,
-                               topk_ids=take(self.topk_ids), topk_logprobs=take(self.topk_logprobs))
+                               topk_ids=take(self.topk_ids), topk_logprobs=take(self.topk_logprobs),
+                               teacher_labels=self.teacher_labels)
 
     @classmethod
     def open(cls, folder: str | Path) -> "DistillationSet":
@@ -92,10 +105,12 @@ class DistillationSet:
             tokens=open_("tokens.i32", np.int32, (n, t)),
             labels=open_("labels.i32", np.int32, (n, t)),
             valid=open_("valid.u8", np.uint8, (n, t)).view(bool),
-            features=open_("features.f16", np.float16, (n, t, taps, d)),
+            features=(None if meta.get("features") == "online" else
+                      open_("features.f16", np.float16, (n, t, taps, d))),
             target_layer_ids=tuple(meta["target_layer_ids"]),
             topk_ids=open_("topk_ids.i32", np.int32, (n, t, k)) if k else None,
             topk_logprobs=open_("topk_logprobs.f16", np.float16, (n, t, k)) if k else None,
+            teacher_labels=bool(meta.get("teacher_labels", False)),
         )
 
     @property
@@ -107,10 +122,9 @@ class DistillationSet:
         return int(self.valid.sum())
 
 
-@partial(jax.jit, static_argnames=("config", "target_layer_ids", "topk"))
-def _features_pass(params, batch, *, config: TransformerConfig, target_layer_ids: tuple[int, ...], topk: int):
-    """[b, W] token ids -> tap features, argmax and top-k at W positions, from one causal pass. At
-    module level, so every set of a recipe (and every call) reuses one compilation per width."""
+def _target_pass(params, config: TransformerConfig, batch, target_layer_ids: tuple[int, ...]):
+    """[b, W] token ids -> (float16 tap features [b, W, taps, d], logits [b, W, V]) from one causal
+    pass: what a stored set keeps, and what an online set recomputes in each training step."""
     from specjax.models.cache import KVCache
     from specjax.models.transformer import forward
 
@@ -119,17 +133,37 @@ def _features_pass(params, batch, *, config: TransformerConfig, target_layer_ids
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), batch.shape)
     out = forward(params, config, batch, positions, cache, jnp.zeros((b,), jnp.int32),
                   hidden_layers=target_layer_ids, empty_cache=True)
-    hidden, argmax = out.hidden.astype(jnp.float16), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    return out.hidden.astype(jnp.float16), out.logits
+
+
+def with_target_features(batch: dict, target_params, target_config: TransformerConfig,
+                         target_layer_ids: tuple[int, ...]) -> dict:
+    """An online batch (no "features") completed by the frozen target: its tap features, rounded to
+    float16 as a stored set holds them, and on teacher-forced rows (batch["teacher"] [b]) the labels,
+    the target's argmax one position earlier."""
+    hidden, logits = _target_pass(target_params, target_config, batch["tokens"], target_layer_ids)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b, T]
+    shifted = jnp.concatenate([jnp.zeros_like(argmax[:, :1]), argmax[:, :-1]], axis=1)
+    labels = jnp.where(batch["teacher"][:, None], shifted, batch["labels"])
+    return dict(batch, features=jax.lax.stop_gradient(hidden), labels=jax.lax.stop_gradient(labels))
+
+
+@partial(jax.jit, static_argnames=("config", "target_layer_ids", "topk"))
+def _features_pass(params, batch, *, config: TransformerConfig, target_layer_ids: tuple[int, ...], topk: int):
+    """[b, W] token ids -> tap features, argmax and top-k at W positions, from one causal pass. At
+    module level, so every set of a recipe (and every call) reuses one compilation per width."""
+    hidden, logits = _target_pass(params, config, batch, target_layer_ids)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not topk:  # a log-softmax over the whole vocabulary is not free: skip it when nothing is stored
         return hidden, argmax, None, None
-    logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits, axis=-1), topk)  # [b, T, k] each
+    logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), topk)  # [b, T, k] each
     return hidden, argmax, ids.astype(jnp.int32), logprobs.astype(jnp.float16)
 
 
 def build_distillation_set(target_params, target_config: TransformerConfig, sequences: Iterable[tuple[Sequence[int], int]],
                            out_dir: str | Path, target_layer_ids: tuple[int, ...], seq_len: int,
                            teacher_labels: bool, batch_size: int = 8, progress: bool = True,
-                           topk: int = 0, width_bucket: int = 32) -> DistillationSet:
+                           topk: int = 0, width_bucket: int = 32, store_features: bool = True) -> DistillationSet:
     """Run the target over sequences and store features and labels.
 
     Sequences run in batches of similar length, each at its longest length rounded up to
@@ -142,6 +176,8 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     False for the target's own continuations (labels = the tokens themselves).
     topk: also store the target's top-k tokens and log-probabilities at each position (the soft
     targets of `DrafterTrainConfig.topk_weight`); 0 stores none.
+    store_features: False makes an online set: the tokens alone, in seconds and a few bytes per token,
+    without running the target (training recomputes features and teacher-forced labels per batch).
     """
     from tqdm.auto import tqdm
 
@@ -151,6 +187,8 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     rows = [(ids, start) for ids, start in rows if len(ids) > start + 1]
     if not rows:
         raise SpecjaxError("no sequence has a trainable position")
+    if not store_features:
+        return _online_set(rows, out_dir, target_layer_ids, seq_len, target_config.hidden_size, teacher_labels, topk)
     n, taps, d = len(rows), len(target_layer_ids), target_config.hidden_size
     create = lambda name, dtype, shape: np.memmap(out_dir / name, dtype=dtype, mode="w+", shape=shape)
     tokens = create("tokens.i32", np.int32, (n, seq_len))
@@ -198,6 +236,29 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     return DistillationSet.open(out_dir)
 
 
+def _online_set(rows, out_dir: Path, target_layer_ids, seq_len: int, hidden_size: int, teacher_labels: bool,
+                topk: int) -> DistillationSet:
+    """build_distillation_set without the target: token ids, trainable positions, and the tokens as
+    labels (exact for self-distilled answers; for teacher-forced text a stand-in until training
+    recomputes them)."""
+    if topk:
+        raise SpecjaxError("an online set stores no target outputs, so no top-k either; use target_topk=0 "
+                           "(--target-topk 0) with online features")
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    valid = np.zeros((len(rows), seq_len), np.uint8)
+    for r, (ids, start) in enumerate(rows):
+        tokens[r, : len(ids)] = ids
+        valid[r, max(start, 1) : len(ids)] = 1
+    tokens.tofile(out_dir / "tokens.i32")
+    tokens.tofile(out_dir / "labels.i32")
+    valid.tofile(out_dir / "valid.u8")
+    (out_dir / "meta.json").write_text(json.dumps({
+        "shape": [len(rows), seq_len, len(target_layer_ids), hidden_size], "target_layer_ids": list(target_layer_ids),
+        "teacher_labels": teacher_labels, "topk": 0, "features": "online",
+    }))
+    return DistillationSet.open(out_dir)
+
+
 def without_looping(data: DistillationSet) -> tuple[DistillationSet, int]:
     """The set without its sequences whose labelled part is stuck in a loop (data/repetition.py), and
     how many were dropped. A drafter predicts a loop perfectly, so one looping continuation among a
@@ -221,6 +282,8 @@ def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step
     text); sequences are drawn uniformly from all of them.
     """
     sets = [data] if isinstance(data, DistillationSet) else list(data)
+    if len({d.online for d in sets}) > 1:
+        raise SpecjaxError("the distillation sets mix stored and online features; build them all one way")
     sizes = np.array([d.num_sequences for d in sets])
     rng = np.random.default_rng([seed, step, 7])
     picks = rng.integers(0, sizes.sum(), size=cfg.sequences_per_batch)
@@ -238,9 +301,12 @@ def sample_drafter_batch(data: DistillationSet | Sequence[DistillationSet], step
         "tokens": stack("tokens"),
         "labels": stack("labels"),
         "valid": stack("valid"),
-        "features": stack("features"),
         "anchors": np.sort(anchors, axis=1),
     }
+    if sets[0].online:  # the training step completes it (with_target_features)
+        batch["teacher"] = np.array([d.teacher_labels for d, _ in rows])
+    else:
+        batch["features"] = stack("features")
     if cfg.topk_weight:
         missing = [d for d in sets if d.topk_ids is None]
         if missing:
@@ -550,6 +616,8 @@ def train_drafter(target_params, target_config: TransformerConfig, drafter_confi
     label_index = label_index_for(draft_vocab, target_config.vocab_size)
 
     def loss_fn(p, batch, rng):
+        if "features" not in batch:  # an online set: the frozen target computes them here
+            batch = with_target_features(batch, target_params, target_config, drafter_config.target_layer_ids)
         return drafter_loss(p, batch, drafter_config=drafter_config, target_params=target_params,
                             target_config=target_config, gamma=train_config.gamma, draft_vocab=draft_vocab,
                             label_index=label_index, topk_weight=train_config.topk_weight)

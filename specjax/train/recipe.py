@@ -44,6 +44,11 @@ class DistillRecipe:
     heldout_sharegpt: int = 0
     """Requests from ShareGPT's held-out split that the target answers for the in-training acceptance
     estimate; 0 estimates on the built-in held-out chat prompts instead."""
+    features: str = "stored"
+    """"stored": the target's tap features of every training token are computed once and kept on disk
+    (about 4.6 kB a token at 4 taps), so training reuses them; "online": only token ids are kept and
+    every training step reruns the target over its batch, for data larger than the disk. The
+    held-out set is stored either way."""
     seq_len: int = 256
     """Tokens per stored sequence (prompt + continuation, or a corpus window)."""
     generate_batch: int = 32
@@ -120,6 +125,10 @@ class DistillRecipe:
         if self.everyday_prompts > everyday_capacity():
             raise SpecjaxError(f"everyday_prompts is {self.everyday_prompts}, but only {everyday_capacity()} "
                                "distinct everyday requests exist")
+        if self.features not in ("stored", "online"):
+            raise SpecjaxError(f"features must be 'stored' or 'online', got {self.features!r}")
+        if self.features == "online" and self.topk_weight:
+            raise SpecjaxError("topk_weight needs the target's top-k stored, which online features do not keep")
         if self.sharegpt_turns not in ("first", "all"):
             raise SpecjaxError(f"sharegpt_turns must be 'first' or 'all', got {self.sharegpt_turns!r}")
         if (self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts
@@ -235,8 +244,10 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             raise SpecjaxError(f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
                                f"(half of the sequence length {recipe.seq_len}); raise --seq-len")
         sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
+        stored = recipe.features == "stored" or folder.name.startswith("heldout")
         build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
-                               teacher_labels=False, topk=recipe.target_topk)
+                               teacher_labels=False, topk=recipe.target_topk if stored else 0,
+                               store_features=stored)
 
     train_docs, _ = load_split(recipe.corpora)
     sets = []
@@ -279,8 +290,10 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                         reply = tok.encode(r.reply, add_special_tokens=False) + list(model.eos_token_ids[:1])
                         rows.append((prompt + reply, len(prompt)))
                 _log(f"ShareGPT replies: {len(rows)} of {len(replied)} requests fit; teacher-forcing their replies")
+                stored = recipe.features == "stored"
                 build_distillation_set(model.params, model.config, rows, folder, taps, recipe.seq_len,
-                                       teacher_labels=True, topk=recipe.target_topk)
+                                       teacher_labels=True, topk=recipe.target_topk if stored else 0,
+                                       store_features=stored)
 
             built_once(lambda: done(folder), build_replies, f"ShareGPT reply data in {folder}")
             sets.append(DistillationSet.open(folder))
@@ -310,8 +323,9 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
             ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
             windows.append((ids[: recipe.seq_len], 1))
+        stored = recipe.features == "stored"
         build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
-                               teacher_labels=True, topk=recipe.target_topk)
+                               teacher_labels=True, topk=recipe.target_topk if stored else 0, store_features=stored)
 
     if recipe.corpus_sequences:
         built_once(lambda: done(corpus_dir), build_corpus, f"corpus data in {corpus_dir}")
