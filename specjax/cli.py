@@ -689,12 +689,21 @@ def cmd_train_lm(args) -> int:
     loop = LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, mesh=_mesh_config(args))
     make_dir(args.out, "--out")
+    _say_how_to_resume()
     train_docs, heldout_docs = load_split(tuple(args.corpus))
     summary = train_language_model([d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
                                    optimizer, loop, dtype=compute_dtype(args.dtype))
     print(json.dumps(summary) if args.json else
           f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {Path(args.out) / 'model'}")
     return 0
+
+
+def _say_how_to_resume() -> None:
+    """A long run outlives its process: say once, at the start, the command that picks it up again."""
+    import shlex
+
+    print(f"[specjax] if this run is stopped, the same command resumes it: specjax {shlex.join(sys.argv[1:])}",
+          file=sys.stderr, flush=True)
 
 
 def cmd_train_drafter(args) -> int:
@@ -715,6 +724,7 @@ def cmd_train_drafter(args) -> int:
                            init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
                            avoid_prompts_from=tuple(args.avoid_prompts_from or ()), mesh=_mesh_config(args))
     make_dir(args.out, "--out")
+    _say_how_to_resume()
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
     if args.data_only:
         print(json.dumps(summary))
@@ -735,6 +745,7 @@ def cmd_train_refiner(args) -> int:
                            seed=args.seed, generate_batch=args.generate_batch, dtype=compute_dtype(args.dtype),
                            mesh=_mesh_config(args))
     make_dir(args.out, "--out")
+    _say_how_to_resume()
     summary = train_refiner_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
           f"refiner written to {summary['refiner']} (held-out tau estimate: drafter "
@@ -750,6 +761,7 @@ def cmd_train_compressor(args) -> int:
                               sequences=args.sequences, steps=args.steps, learning_rate=args.learning_rate,
                               seed=args.seed, dtype=compute_dtype(args.dtype), mesh=_mesh_config(args))
     make_dir(args.out, "--out")
+    _say_how_to_resume()
     summary = train_compressor_recipe(args.model, args.drafter, args.out, recipe)
     print(json.dumps(summary) if args.json else
           f"compressor written to {summary['compressor']} (held-out tau estimate: full attention "

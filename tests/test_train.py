@@ -46,6 +46,24 @@ def test_resumed_run_replays_the_same_losses(tmp_path):
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_a_slow_run_also_checkpoints_by_the_clock(tmp_path):
+    """Between step checkpoints a run saves once checkpoint_seconds have passed, so a slow run killed
+    at any moment loses at most that much; by steps alone it saves at the step multiples."""
+    import jax.numpy as jnp
+
+    from specjax.train.loop import train
+
+    def saved(seconds: float) -> list[int]:
+        out = tmp_path / str(seconds)
+        train(lambda p, batch, rng: (jnp.sum((p["w"] - batch) ** 2), {}), {"w": jnp.zeros(3)},
+              lambda step: jnp.full(3, float(step)), out, OPT,
+              LoopConfig(steps=6, checkpoint_every=4, checkpoint_seconds=seconds, keep_checkpoints=10, progress=False))
+        return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+
+    assert saved(3600.0) == [4, 6]
+    assert saved(1e-9) == [1, 2, 3, 4, 5, 6]
+
+
 def test_trained_model_loads_and_generates(tmp_path):
     """The HF folder written at the end holds the trained weights, not the initial ones."""
     import jax

@@ -94,6 +94,10 @@ class LoopConfig:
     """Run the evaluation function every this many steps (0: never)."""
     checkpoint_every: int = 200
     """Save an orbax checkpoint every this many steps (and always at the end)."""
+    checkpoint_seconds: float = 600.0
+    """Also save once this many seconds have passed since the last save, so a slow run (online
+    features, a big model) killed at any moment loses at most that much work. One process only: a
+    clock-driven save could reach the processes of a multi-host run at different steps."""
     keep_checkpoints: int = 2
     """How many recent checkpoints orbax keeps."""
     progress: bool = True
@@ -105,6 +109,7 @@ class LoopConfig:
         check_at_least(1, steps=self.steps, log_every=self.log_every, checkpoint_every=self.checkpoint_every,
                        keep_checkpoints=self.keep_checkpoints)
         check_at_least(0, eval_every=self.eval_every)
+        check_positive_finite(checkpoint_seconds=self.checkpoint_seconds)
 
 
 @struct.dataclass
@@ -229,7 +234,8 @@ def train(
     losses: list[float] = []
     bar = tqdm(total=loop.steps, initial=start, desc="train", disable=not (loop.progress and is_writer()),
                dynamic_ncols=True)
-    started = time.perf_counter()
+    started = last_save = time.perf_counter()
+    by_clock = jax.process_count() == 1
     try:
         for step in range(start, loop.steps):
             batch = batch_fn(step)
@@ -251,8 +257,10 @@ def train(
                 evaluated = eval_fn(state.params)
                 if writer is not None:
                     writer.write(done, {f"eval/{k}": v for k, v in evaluated.items()})
-            if done % loop.checkpoint_every == 0 or done == loop.steps:
+            overdue = by_clock and time.perf_counter() - last_save >= loop.checkpoint_seconds
+            if done % loop.checkpoint_every == 0 or done == loop.steps or overdue:
                 manager.save(done, args=ocp.args.StandardSave(_as_dict(state)))
+                last_save = time.perf_counter()
         manager.wait_until_finished()
     finally:
         bar.close()
