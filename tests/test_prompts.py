@@ -57,6 +57,7 @@ def test_the_heldout_set_is_disjoint_from_every_training_prompt_kind():
         assert not _word_runs(prompt) & seen, f"shares an 8-word run with a training prompt: {prompt!r}"
         assert not any(prompt.startswith(o) for o in openings), f"opens like a training template: {prompt!r}"
         assert prompt not in HELDOUT_CHAT_PROMPTS
+    assert not set(p.DEMO_PROMPTS) & (set(heldout) | set(HELDOUT_CHAT_PROMPTS))  # the demo measures no held-out prompt
 
 
 def test_self_instruct_instructions_are_distinct_and_reproducible():

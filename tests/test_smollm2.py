@@ -122,3 +122,13 @@ def test_the_committed_drafter_sees_its_anchor(smollm2):
 
     spread = anchor_spread(smollm2, resolve_drafter("default", "smollm2"))
     assert spread > 1.0, f"slot-1 logits move by at most {spread:.2e} across the probe's anchor tokens"
+
+
+@pytest.mark.slow  # minutes: the whole demo on the real model (every method compiles), at a few tokens
+def test_the_demo_reports_repetition_and_sampled_tau_beside_greedy(capsys):
+    from specjax.cli import main
+
+    assert main(["demo", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to autoregressive" in out and "DIFFERENT" not in out
+    assert "distinct-3" in out and "Sampling at temperature 1, chain's tau is" in out

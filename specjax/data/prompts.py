@@ -28,7 +28,16 @@ HELDOUT_CHAT_PROMPTS = (
     "List five fruits that are high in vitamin C.",
 )
 
-DEMO_PROMPTS = HELDOUT_CHAT_PROMPTS[:4]
+DEMO_PROMPTS = (
+    "Tell me a fun fact about octopuses.",
+    "What should I pack for a weekend camping trip?",
+    "Explain how a rainbow forms.",
+    "Write a Python function that reverses a string.",
+)
+"""What `specjax demo` asks. Kept out of every held-out set, so evaluation never measures on them, and
+chosen among ten candidates for answers that do not loop (SmolLM2's greedy answers score distinct-3
+0.94, 0.95, 0.95 and 0.98 at 128 tokens): a looping answer is drafted perfectly and would overstate
+tau (the demo prints distinct-3 beside tau, so that stays visible)."""
 
 HELDOUT_SET = Path(__file__).with_name("heldout_prompts.jsonl")
 """120 held-out prompts, 30 each of chat, code, math and rewriting, written apart from every
