@@ -2,7 +2,8 @@
 
     python experiments/drafter_compare.py old=runs/drafter-v1 new=runs/drafter-v2/drafter \
         [--max-new-tokens 128] [--prompts 12] [--category chat] [--json out.json] \
-        [--dtype float32|bfloat16] [--methods chain,tree,chain+refiner] [--refine-slots 0,3] [--speed-baselines]
+        [--dtype float32|bfloat16] [--methods chain,tree,chain+refiner] [--refine-slots 0,3] [--speed-baselines] \
+        [--ngram]
 
 A drafter given as `label=folder:refiner_folder` (or `label=default:default`) brings its refiner
 for the +refiner methods; a drafter without one skips them.
@@ -13,7 +14,9 @@ runs each of `--methods` ("chain <label>", "tree <label>"). `--speed-baselines` 
 other settings this machine has (float32 one row, bf16 one row) and prints every method's speedup
 against the fastest AR measured in the run, the issue's speed baseline. Prompts are the first `--prompts`
 of the held-out set's `--category` (specjax/data/heldout_prompts.jsonl), or of each category with
-`--category all`, reported per category too. tau and acceptance do
+`--category all`, reported per category too; `--category sharegpt` takes the opening requests of
+ShareGPT's held-out conversations instead (data/sharegpt.py). `--ngram` adds prompt lookup, the
+draft-free baseline every drafter is read against. tau and acceptance do
 not depend on timing, so they stay valid when the machine is shared; tokens/s and speedups are
 only worth reporting from a run that had the cores to itself.
 """
@@ -32,7 +35,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--category", default="chat",
                         help="held-out category: chat, code, math or rewrite; or all: the first --prompts of each, "
-                             "reported per category as well")
+                             "reported per category as well; or sharegpt: held-out ShareGPT opening requests")
+    parser.add_argument("--ngram", action="store_true", help="also run the ngram (prompt lookup) method")
     parser.add_argument("--json", help="also write the whole report here")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--methods", default="chain", help="comma-separated speculative methods per drafter")
@@ -54,7 +58,12 @@ def main() -> None:
     base = load_model("smollm2")
     model = with_query_rows(at_compute_dtype(base, args.dtype), "auto")
     categories = HELDOUT_CATEGORIES if args.category == "all" else (args.category,)
-    texts = [(c, p) for c in categories for p in heldout_prompts(c)[: args.prompts]]
+    if args.category == "sharegpt":
+        from specjax.data.sharegpt import sharegpt_requests
+
+        texts = [("sharegpt", r.messages[-1]["content"]) for r in sharegpt_requests("heldout", "first")[: args.prompts]]
+    else:
+        texts = [(c, p) for c in categories for p in heldout_prompts(c)[: args.prompts]]
     prompts = [model.tokenizer.encode_chat(p) for _, p in texts]
     groups = [c for c, _ in texts] if len(categories) > 1 else None
     variants = [Variant("ar", Engine(model), "ar")]
@@ -63,6 +72,8 @@ def main() -> None:
             one_row = with_query_rows(at_compute_dtype(base, dtype), 0)
             if one_row.config != model.config:
                 variants.append(Variant(f"ar {dtype} one row", Engine(one_row), "ar"))
+    if args.ngram:
+        variants.append(Variant("ngram", variants[0].engine, "ngram"))
     for spec in args.drafters:
         label, _, folder = spec.partition("=")
         folder, _, refiner_folder = folder.partition(":")
