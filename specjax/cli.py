@@ -707,6 +707,19 @@ def cmd_train_lm(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    """What the persistent compilation cache holds, or empty it."""
+    from specjax.compile_cache import cache_bytes, clear_compile_cache, compile_cache_dir, compile_cache_enabled
+
+    if args.action == "clear":
+        print(f"removed {clear_compile_cache() / 2**20:.1f} MiB of compiled programs")
+        return 0
+    state = "on" if compile_cache_enabled() else "off (SPECJAX_COMPILE_CACHE=0)"
+    print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}; "
+          f"{cache_bytes() / 2**20:.1f} MiB kept in all")
+    return 0
+
+
 def _say_how_to_resume() -> None:
     """A long run outlives its process: say once, at the start, the command that picks it up again."""
     import shlex
@@ -1104,6 +1117,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bs.set_defaults(func=cmd_bench_serve)
 
+    cache = sub.add_parser("cache", help="the persistent compilation cache: where it is and its size, or clear it")
+    cache.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
+    cache.set_defaults(func=cmd_cache)
+
     top = sub.add_parser("top", help="live terminal dashboard of a running server (tau, acceptance, KV, latency, queue)")
     top.add_argument("--url", default="http://127.0.0.1:8000")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
@@ -1243,6 +1260,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "command", None) == "train-lm" and not args.corpus:
         args.corpus = ["shakespeare"]
     try:
+        from specjax.compile_cache import enable_compile_cache
+
+        enable_compile_cache()
         quiet = False
         if hasattr(args, "mesh"):
             _start_processes(args)

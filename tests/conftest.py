@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The CLI turns JAX's persistent compilation cache on; tests that call it would otherwise fill the
+# user's cache with test programs. tests/test_compile_cache.py turns it on in its own processes.
+os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 # The suite compiles hundreds of small programs, and on CPU most of their time is LLVM optimising
 # machine code that then runs for milliseconds: without it the suite takes about a quarter less
 # (tests/test_tree.py: 75 s against 99 s). XLA's own graph passes, which decide fusion and the
