@@ -70,6 +70,20 @@ def test_greedy_requests_through_slots_equal_generate(target, drafter, chain_sch
         scheduler.shutdown()
 
 
+def test_compiling_the_server_reports_each_program_as_it_goes(target, capfd):
+    """A start that compiles for minutes says so program by program (k of n), not only at the end."""
+    scheduler = Scheduler(target, None, _config("ar", prefill_chunk=8))
+    try:
+        lines = [line for line in capfd.readouterr().err.splitlines() if "compiling the server's programs" in line]
+        total = len(scheduler.attend_buckets) * len(scheduler.row_buckets) + \
+            len(scheduler.insert_sizes) * len(scheduler.prompt_buckets) + 1
+        assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{k}/{total}" for k in range(1, total + 1)]
+        assert any("ar step" in line for line in lines) and any("insert" in line for line in lines)
+        assert "chunked prefill" in lines[-1]
+    finally:
+        scheduler.shutdown()
+
+
 def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafter, monkeypatch):
     """With prefill_chunk 24, prompts longer than 24 tokens enter their slots a chunk per scheduler
     turn while the other slot decodes, and every greedy output is still generate's. The 50-token

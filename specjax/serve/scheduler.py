@@ -596,18 +596,20 @@ class Scheduler:
             sampling=slot_api.RowSampling(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
                                           jnp.asarray(top_p, jnp.float32))))
 
-    def _compile_steps(self, policy: str) -> None:
+    def _compile_steps(self, policy: str, progress: "CompileProgress | None" = None) -> None:
+        progress = progress or CompileProgress(len(self.attend_buckets) * len(self.row_buckets), f"the {policy} step")
         for length in self.attend_buckets:
             for rows in self.row_buckets:
                 self._compiled["step", policy, length, rows] = self._program(
                     "step", method=policy, statics=self.statics, attend_slots=length, rows=rows,
                 ).lower(self.parts, self._state).compile()
+                progress.done(f"{policy} step, attention {length}, {rows} rows")
 
-    def _make_ready(self, policy: str, compile_steps: bool = True) -> None:
+    def _make_ready(self, policy: str, compile_steps: bool = True, progress: "CompileProgress | None" = None) -> None:
         """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
         attention length, with every row live), and hand both to the controller."""
         if compile_steps:
-            self._compile_steps(policy)
+            self._compile_steps(policy, progress)
         if len(self.policies) == 1:  # a fixed method: nothing to choose, so nothing to time
             self.controller.mark_ready(policy, {})
             return
@@ -699,7 +701,10 @@ class Scheduler:
         rapid server's drafting-context fills go to that thread too, ahead of any other policy: the
         server answers sooner, and a prefill that comes before its fill compiles it then."""
         started = time.perf_counter()
-        self._make_ready(self.policy)
+        progress = CompileProgress(len(self.attend_buckets) * len(self.row_buckets)
+                                   + len(self.insert_sizes) * len(self.prompt_buckets) + bool(self.prefill_chunk),
+                                   "the server's programs")
+        self._make_ready(self.policy, progress=progress)
         for rows in self.insert_sizes:
             for bucket in self.prompt_buckets:
                 request = self._insert_request([self.config.slots] * rows, np.zeros((rows, bucket)), [1] * rows,
@@ -707,11 +712,13 @@ class Scheduler:
                                                final=[True] * rows)
                 self._compiled[bucket, rows] = self._program("insert", statics=self.statics).lower(
                     self.parts, self._state, request).compile()
+                progress.done(f"insert, prompts up to {bucket} tokens, {rows} at once")
         if self.prefill_chunk:
             request = self._insert_request([self.config.slots], np.zeros((1, self.prefill_chunk)), [1], [1], [0],
                                            [0.0], [0], [1.0], offsets=[0])
             self._compiled["extend"] = self._program("insert", statics=self.statics).lower(
                 self.parts, self._state, request).compile()
+            progress.done(f"chunked prefill, {self.prefill_chunk} tokens")
         chains = [slot_api.slot_method(p) for p in self.policies]
         chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
         if chains:  # trees split by their latency model
@@ -1471,6 +1478,19 @@ class Scheduler:
             del self._live[slot]
             live.handle._push(result=RequestResult([], live.text, "error", message, {"e2e_s": now - live.arrived}))
             self.metrics.finished("error", now - live.arrived)
+
+
+class CompileProgress:
+    """One stderr line per compiled program (which one, k of n, seconds so far), flushed at once so
+    a log file shows a long compile as progress rather than a hang."""
+
+    def __init__(self, total: int, what: str):
+        self.total, self.what, self.count, self.started = total, what, 0, time.perf_counter()
+
+    def done(self, program: str) -> None:
+        self.count += 1
+        print(f"[specjax] compiling {self.what}: {self.count}/{self.total} ({program}), "
+              f"{time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], already: int) -> int | None:
