@@ -68,10 +68,10 @@ def _read_prompts_and_categories(path: str, flag: str) -> tuple[list[str], list[
 # are refused rather than silently ignored.
 _METHOD_OPTIONS = {
     "speculative": (("drafter", "block_size", "denoise_steps", "drafter_window"),
-                    ("chain", "chain+refiner", "tree", "tree+refiner", "rapid+block")),
+                    ("chain", "chain+refiner", "tree", "tree+refiner", "rapid+block", "auto")),
     "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
                 ("chain+refiner", "tree+refiner")),
-    "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner")),
+    "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"), ("tree", "tree+refiner", "auto")),
     "rapid": (("rapid_drafts", "rapid_eta"), ("rapid",)),
     "ngram": (("ngram_drafts", "ngram_max", "ngram_min"), ("ngram",)),
     "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score",
@@ -437,7 +437,7 @@ def cmd_bench(args) -> int:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
     options = {"chain+refiner": {"refine": _refine_config(args)}, "tree": {"tree": _tree_config(args)},
                "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)},
-               "ngram": {"ngram": _ngram_config(args)}}
+               "ngram": {"ngram": _ngram_config(args)}, "auto": {"tree": _tree_config(args)}}
     long = None
     if args.context_file:  # one long-context request, the same for every method
         long, retrieval, redraft = _long_context(args, model, methods)
@@ -488,7 +488,7 @@ def cmd_demo(args) -> int:
     print(f"specjax demo: {DEFAULT_MODEL} with its block-diffusion drafter "
           f"(block {drafter.config.block_size}, {drafter.config.num_layers} layer){refined}, greedy, "
           f"{args.max_new_tokens} new tokens per prompt.\n", flush=True)
-    methods = ["ar", "chain"] + (["chain+refiner"] if refiner else []) + ["tree"]
+    methods = ["ar", "chain"] + (["chain+refiner"] if refiner else []) + ["tree", "auto"]
     report = run_bench(engine, prompts, methods, args.max_new_tokens, progress=True)
     for text, ids in zip(DEMO_PROMPTS, report["methods"]["chain"]["outputs"]):
         print(f">>> {text}\n{model.tokenizer.decode(ids).strip()}\n")
@@ -511,6 +511,13 @@ def cmd_demo(args) -> int:
     verdict = "identical to" if t.get("identical_to_ar") else "DIFFERENT from"
     print(f"With draft trees sized by the budget rule: output {verdict} autoregressive, speedup "
           f"{t['speedup_vs_ar']:.2f}x at tau {t['tau']:.2f} ({t['tree_nodes_verified']:.1f} nodes verified per step).")
+    a = report["methods"]["auto"]
+    chose = a["auto"]["policy_steps"]
+    verdict = "identical to" if a.get("identical_to_ar") else "DIFFERENT from"
+    print(f"auto, which picks AR, chain or tree at each step: output {verdict} autoregressive, speedup "
+          f"{a['speedup_vs_ar']:.2f}x. On this machine a chain step costs "
+          f"{a['auto']['chain_step_over_decode_step']:.2f}x a decode step and the chain measured tau "
+          f"{chain['tau']:.2f}, so it ran " + ", ".join(f"{name} {n} steps" for name, n in chose.items() if n) + ".")
     return 0
 
 
@@ -977,7 +984,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="ar",
                      help="decoding method: ar, or speculative chain, chain:K (K drafts verified), chain+refiner, "
                           "tree, tree+refiner, or rapid and rapid+block (the target or the drafter drafts from "
-                          "passages of --context-file)")
+                          "passages of --context-file), ngram (prompt lookup), or auto (AR, chain or tree at each "
+                          "step, by this machine's measured costs and the drafter's measured acceptance)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
     gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
@@ -1000,7 +1008,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--drafter", default="default")
     bench.add_argument("--methods", default="ar,chain",
-                       help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner, ngram (prompt lookup, no drafter)")
+                       help="comma-separated: ar, chain, chain+refiner, tree, tree+refiner, ngram (prompt lookup, "
+                            "no drafter), auto (AR, chain or tree at each step, by measured cost and acceptance)")
     _add_refiner_options(bench)
     _add_tree_options(bench)
     _add_window_options(bench)

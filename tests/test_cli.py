@@ -162,6 +162,23 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
 
 
+def test_bench_runs_auto_and_ngram_beside_ar(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
+    """auto reports the policy steps it chose over every call; ngram needs no drafter; both equal AR."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # the latency model is measured, not read from the user's cache
+    root = tiny_with_tokenizer_and_drafter
+    assert main(["bench", "--model", str(root / "model"), "--drafter", str(root / "drafter"), "--methods",
+                 "ar,auto,ngram", "--tree-buckets", "1,2,4", "--prompts-file", str(root / "prompts.txt"),
+                 "--max-new-tokens", "6", "--no-chat", "--json"]) == 0
+    report = _last_json(capsys)
+    auto, ngram = report["methods"]["auto"], report["methods"]["ngram"]
+    assert auto["identical_to_ar"] and ngram["identical_to_ar"]
+    chose = auto["auto"]["policy_steps"]
+    assert set(chose) == {"ar", "chain", "tree"} and chose["chain"] >= 2 and chose["tree"] >= 2  # each call explores
+    assert auto["auto"]["chain_step_over_decode_step"] > 0
+    assert main(["bench", "--methods", "ar,chain", "--ngram-drafts", "3"]) == 2
+    assert "--ngram-drafts applies to the methods ngram" in capsys.readouterr().err
+
+
 def test_bench_reports_each_category_of_a_categorised_prompt_file(tiny_with_tokenizer_and_drafter, capsys, tmp_path):
     """A .jsonl prompt file whose lines carry a category (as the held-out set does) gets figures per
     category as well as over all; the groups' histograms add up to the whole one."""

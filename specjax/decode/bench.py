@@ -84,6 +84,7 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
     lossy: dict[str, str] = {}
     tree_sizes = {m: {"chosen": [], "verified": [], "buckets": {}} for m in labels}
     calls = {m: [] for m in labels}  # per call: (batch index, tokens/s, accepted-length histogram or None)
+    auto: dict[str, dict] = {}  # the auto method's policy steps over every call, and its last cost ratio
     with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
         for repeat in range(repeats):
             for call, batch in enumerate(batches):
@@ -104,6 +105,11 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
                         passes[method].append(result.stats["refine_passes"])
                     if "lossy" in result.stats:
                         lossy[method] = result.stats["lossy"]
+                    if "auto" in result.stats:
+                        chose = auto.setdefault(method, {"policy_steps": {}})
+                        for name, n in result.stats["auto"]["policy_steps"].items():
+                            chose["policy_steps"][name] = chose["policy_steps"].get(name, 0) + n
+                        chose["chain_step_over_decode_step"] = result.stats["auto"]["chain_step_over_decode_step"]
                     if "tree_bucket_counts" in result.stats:
                         sizes = tree_sizes[method]
                         sizes["chosen"].append(result.stats["tree_nodes_chosen"])
@@ -132,6 +138,8 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
             entry["refine_passes"] = float(np.mean(passes[method]))
         if method in lossy:
             entry["lossy"] = lossy[method]
+        if method in auto:
+            entry["auto"] = auto[method]
         if tree_sizes[method]["chosen"]:
             sizes = tree_sizes[method]
             entry["tree_nodes_chosen"] = float(np.mean(sizes["chosen"]))

@@ -38,6 +38,7 @@ from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import forward, head_matrix, token_embedder, with_float32_embedding
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.decode.rapid import RapidConfig, Redraft
+from specjax.decode.auto import AUTO_POLICIES, AutoConfig
 from specjax.decode.ngram import NgramConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
@@ -92,6 +93,8 @@ class DecodeRequestShape:
     one call runs to the end (`Engine._steps_per_sync`)."""
     ngram: NgramConfig | None = None
     """How ngram drafts; None for the other methods."""
+    auto: AutoConfig | None = None
+    """How auto chooses among AR, chain and tree; None for the other methods."""
 
     @property
     def streaming(self) -> bool:
@@ -174,7 +177,7 @@ class Engine:
                  refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
                  drafting_prompts: Sequence[Sequence[int]] | None = None,
                  rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None,
-                 ngram: NgramConfig = NgramConfig()) -> GenerationResult:
+                 ngram: NgramConfig = NgramConfig(), auto: AutoConfig = AutoConfig()) -> GenerationResult:
         """Decode a batch of token-id prompts.
 
         on_tokens, if given, is called with every row's tokens so far after each `stream_every`
@@ -190,6 +193,7 @@ class Engine:
         question, `data/retrieval.py`); the target verifies with the prompt itself.
         rapid: how rapid drafts.
         ngram: how ngram (prompt lookup) drafts.
+        auto: how auto chooses among AR, chain and tree at each step (its trees follow `tree`).
         redraft: re-retrieval for rapid and rapid+block: every `redraft.every` generated tokens each
         row's drafting context is rebuilt from `redraft.prompt_for` (the loop then syncs with the host
         about that often, as streaming does).
@@ -261,6 +265,7 @@ class Engine:
             step_tokens=max(slack, 1),
             rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
             ngram=ngram if spec.needs_ngram else None,
+            auto=auto if spec.needs_auto else None,
             drafting_bucket=drafting_bucket,
             # The first draft pass writes from one slot before last_token (decode/rapid.py).
             drafting_length=(_round_up(max(drafting_bucket, redraft.max_prompt_tokens if redraft else 0)
@@ -368,7 +373,8 @@ class Engine:
             eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
             refiner_config=None if shape.refine is None else self.refiner.config,
             refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
-            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval, ngram=shape.ngram)
+            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval, ngram=shape.ngram,
+            auto=shape.auto)
         latency = None
         if uses_drafter:
             draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
@@ -439,6 +445,7 @@ class Engine:
         tokens, counts, histogram, drafted, steps, passes, sizes, chosen = to_host(
             (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
              state.refine_passes, state.tree_sizes, state.tree_chosen))
+        auto_state = None if state.auto is None else to_host(state.auto)
         rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
         # The prefill gives each row its first token; the decode loop the rest. At long context the
         # prefill dominates a short answer's wall time, so the decode rate is reported on its own.
@@ -499,7 +506,9 @@ class Engine:
                 "tree_nodes_verified": (sum(size * c for size, c in counts_by_size.items()) / loop_steps
                                         if loop_steps else 0.0),
             })
-            if latency is not None:
+            if auto_state is not None:
+                stats["auto"] = _auto_stats(auto_state, latency, self.drafter.config.block_size)
+            elif latency is not None:
                 # Split of wall time by the latency model, which each run refits (Bastion's rule).
                 stats.update({
                     "draft_s": loop_steps * latency.fixed_s,
@@ -643,6 +652,19 @@ class Engine:
             refine_cost = median_seconds(repeats, lambda: pass_fn(cast, refiner_params, low_rank))
         self._phase_costs[shape] = (median_seconds(repeats, draft), median_seconds(repeats, verify), refine_cost)
         return self._phase_costs[shape]
+
+
+def _auto_stats(auto, latency: LatencyModel, block: int) -> dict:
+    """What the auto method chose, and the estimates it chose by, as it ended the run."""
+    step_s = float(np.interp(1, latency.sizes, latency.verify_s))
+    chain_s = latency.fixed_s + float(np.interp(block, latency.sizes, latency.verify_s))
+    seconds = [step_s, chain_s, float(auto.tree_seconds) or chain_s]
+    return {
+        "policy_steps": {name: int(n) for name, n in zip(AUTO_POLICIES, auto.steps)},
+        "tokens_per_step": {name: float(t) for name, t in zip(AUTO_POLICIES, auto.tokens_per_step)},
+        "seconds_per_step": dict(zip(AUTO_POLICIES, seconds)),
+        "chain_step_over_decode_step": chain_s / step_s,
+    }
 
 
 def _speculative_stats(method: str, num_generated, histogram, wall_s: float, compile_s: float) -> dict:

@@ -11,7 +11,8 @@ is the sampled path with a one-hot distribution on the argmax (see `row_processe
 acceptance rule then accepts exactly the drafts that match the argmax, and resamples the argmax.
 
 Methods live in one registry, `SLOT_METHODS`: ar, chain, chain+refiner, tree and tree+refiner
-(each windowed when its drafter is), rapid, and ngram (prompt lookup, no drafter). Every method advances the same `SlotState`, so the
+(each windowed when its drafter is), rapid, ngram (prompt lookup, no drafter), and auto (AR, chain
+or tree at each step, whichever is predicted to commit the most tokens per second; decode/auto.py). Every method advances the same `SlotState`, so the
 host side (specjax/serve) never branches on method names, and a caller may change the method
 between two steps (the state holds every part any of them reads), except into rapid: only rapid
 steps keep its retrieval cache current.
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.decode.auto import AUTO_POLICIES, AutoConfig, AutoState, choose_policy, observe, policy_seconds
 from specjax.decode.autoregressive import _eos_array, prefill
 from specjax.decode.budget import TreeCosts, chosen_bucket, median_seconds
 from specjax.decode.context import DrafterContext, append_context, empty_context_cache, prefill_context
@@ -187,6 +189,8 @@ class SlotState:
     """[S, cache_length] int32, when an ngram step may run: the token at each of the row's target
     cache slots (prompt and committed tokens), which prompt lookup copies its drafts from. Every
     step keeps it current, so a server may switch into ngram at any step."""
+    auto: AutoState | None = None
+    """What the auto method has measured (its policies' yields and costs), when it may step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +218,8 @@ class SlotStatics:
     ngram: NgramConfig | None = None
     """How the ngram method drafts; None when no ngram step will run (the slots then keep no token
     history)."""
+    auto: AutoConfig | None = None
+    """How the auto method chooses its policy; None when no auto step will run."""
 
     @property
     def block(self) -> int:
@@ -274,6 +280,7 @@ def empty_slots(statics: SlotStatics) -> SlotState:
         **({} if statics.rapid is None or not statics.rapid.lossy else dict(
             lossless_diverged_at=jnp.full((s,), -1, jnp.int32))),
         **({} if statics.ngram is None else dict(history=jnp.zeros((s, statics.slot.cache_length), jnp.int32))),
+        **({} if statics.auto is None else dict(auto=AutoState.fresh())),
     )
 
 
@@ -808,6 +815,26 @@ def _ngram_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     return _commit(state, draft, n, next_token, keys, out.cache, context, statics, drafted=available)
 
 
+def _auto_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_slots: int | None) -> SlotState:
+    """One step of AR, chain or tree for the whole batch, whichever decode/auto.py predicts commits
+    the most tokens per second from the latency model (parts.tree_costs) and what each policy
+    committed when it last ran; then the estimates are updated from what this step committed."""
+    auto, costs = state.auto, parts.tree_costs
+    block = statics.drafter_config.block_size
+    choice = choose_policy(auto, policy_seconds(auto, costs, block), statics.auto)
+    branches = [lambda st, m=SLOT_METHODS[name]: m.one_step(parts, st, statics, attend_slots) for name in AUTO_POLICIES]
+    stepped = jax.lax.switch(choice, branches, state)
+    # What each live row committed, from its accepted-length histogram (a step that accepted n
+    # drafts commits n + 1 tokens, whatever an EOS or the token limit then keeps).
+    counts = (stepped.accepted_histogram - state.accepted_histogram).sum(axis=0)  # [block]
+    steps = counts.sum()
+    committed = jnp.where(steps > 0, (counts * jnp.arange(1, block + 1)).sum() / jnp.maximum(steps, 1), jnp.nan)
+    live = ~state.done
+    chosen = jnp.max(jnp.where(live, stepped.tree_chosen - state.tree_chosen, 0))  # the tree's size, batch-wide
+    tree_seconds = costs.fixed_s + costs.verify_cost(jnp.maximum(chosen, 1))
+    return stepped.replace(auto=observe(auto, choice, committed, tree_seconds, statics.auto))
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotMethod:
     """One decoding method at slot level."""
@@ -824,6 +851,8 @@ class SlotMethod:
     """Drafts from each row's drafting prompt (rapid, rapid+block): inserts need one per row."""
     needs_ngram: bool = False
     """Drafts by prompt lookup from each row's token history (SlotStatics.ngram)."""
+    needs_auto: bool = False
+    """Chooses its policy at each step from measured costs and yields (SlotStatics.auto)."""
 
 
 SLOT_METHODS: dict[str, SlotMethod] = {
@@ -835,6 +864,7 @@ SLOT_METHODS: dict[str, SlotMethod] = {
     "rapid": SlotMethod("rapid", _rapid_step, needs_drafter=False, needs_retrieval=True),
     "rapid+block": SlotMethod("rapid+block", _chain_step, needs_retrieval=True),
     "ngram": SlotMethod("ngram", _ngram_step, needs_drafter=False, needs_ngram=True),
+    "auto": SlotMethod("auto", _auto_step, needs_tree=True, needs_auto=True),
 }
 
 
@@ -886,6 +916,7 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a refiner", method.needs_refiner, statics.refiner_config is not None),
         ("a tree config", method.needs_tree, statics.tree is not None),
         ("an n-gram config (SlotStatics.ngram)", method.needs_ngram, statics.ngram is not None),
+        ("an auto config (SlotStatics.auto)", method.needs_auto, statics.auto is not None),
         ("a drafting context (SlotStatics.drafting_length)", method.needs_retrieval, statics.drafting_length > 0),
         # rapid drafts with the target on its retrieval cache; rapid+block with the drafter on
         # drafting-prompt features.
@@ -899,6 +930,8 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
     if method.drafts is not None and method.drafts > statics.block - 1:
         raise SpecjaxError(f"method {name!r} verifies {method.drafts} drafts; the drafter's block holds "
                            f"{statics.block - 1}")
+    if method.needs_auto and not statics.tree.auto:
+        raise SpecjaxError(f"method {name!r} sizes its trees by the budget rule; give no fixed tree budget")
     if method.needs_tree and statics.tree.auto and parts is not None and parts.tree_costs is None:
         raise SpecjaxError(f"method {name!r} sizes trees by measured costs; give SlotParts.tree_costs "
                            f"(or a fixed tree budget)")

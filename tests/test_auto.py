@@ -1,0 +1,76 @@
+"""The auto method: AR, chain or tree at each step by expected tokens per second. Forced cost models
+show it choosing AR where verification is dear and speculating where it is cheap; its output is AR's
+either way, and its choice rule is checked on hand-made estimates."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from specjax.decode.auto import AUTO_POLICIES, AutoConfig, AutoState, choose_policy, observe
+from specjax.decode.budget import LatencyModel
+from specjax.decode.engine import Engine
+from specjax.decode.tree import TreeConfig
+from specjax.errors import SpecjaxError
+
+from conftest import SPEC_BLOCK
+from test_speculative import PROMPTS
+
+TREE = TreeConfig(buckets=(1, 2, 4, 8))
+
+
+def _forced(monkeypatch, verify_s, fixed_s):
+    """Every Engine's latency model replaced by this one (seconds at 1, 2, 4 and 8 nodes)."""
+    model = LatencyModel(sizes=[1, 2, 4, 8], verify_s=list(verify_s), fixed_s=fixed_s)
+    monkeypatch.setattr(Engine, "_latency_model", lambda self, *args: model)
+
+
+@pytest.mark.parametrize("case", ["dear_verify", "cheap_verify"])
+def test_auto_decodes_ar_where_verifying_is_dear_and_speculates_where_it_is_cheap(target, drafter, monkeypatch,
+                                                                                   case):
+    if case == "dear_verify":  # a 4-token verify costs 10 decode steps: no drafter pays for that
+        _forced(monkeypatch, [1.0, 6.0, 10.0, 20.0], fixed_s=1.0)
+    else:  # verifying is as cheap as a step and drafting nearly free
+        _forced(monkeypatch, [1.0, 1.0, 1.0, 1.0], fixed_s=0.01)
+    engine = Engine(target, drafter)
+    ar = engine.generate(PROMPTS, 40, ignore_eos=True)
+    auto = engine.generate(PROMPTS, 40, ignore_eos=True, method="auto", tree=TREE, auto=AutoConfig(probe_every=16))
+    assert auto.tokens == ar.tokens
+    steps = auto.stats["auto"]["policy_steps"]
+    total = sum(steps.values())
+    if case == "dear_verify":
+        assert steps["ar"] >= 0.8 * total, steps  # after one step of each speculative policy, and probes
+        assert 2 <= steps["chain"] + steps["tree"] <= 2 + total // 16 + 1, steps
+    else:
+        assert steps["ar"] == 0 and steps["chain"] + steps["tree"] == total, steps
+        assert auto.stats["tau"] > 1.5
+    assert auto.stats["auto"]["chain_step_over_decode_step"] == pytest.approx(
+        1.0 + 0.01 if case == "cheap_verify" else 1.0 + 10.0)
+
+
+def test_the_choice_rule_explores_holds_with_a_margin_and_probes():
+    config = AutoConfig(margin=0.1, probe_every=4)
+    seconds = jnp.asarray([1.0, 2.0, 2.5])
+    auto = AutoState.fresh()
+    assert AUTO_POLICIES[int(choose_policy(auto, seconds, config))] == "chain"  # nothing measured yet
+    auto = observe(auto, 1, jnp.float32(2.1), jnp.float32(0), config)
+    assert AUTO_POLICIES[int(choose_policy(auto, seconds, config))] == "tree"  # then the tree once
+    auto = observe(auto, 2, jnp.float32(2.4), jnp.float32(2.5), config)
+    # chain 2.1 / 2 = 1.05 tokens/s, tree 2.4 / 2.5 = 0.96, AR 1: the chain is best, and the tree ran
+    # last; moving to the chain speculates less, so it needs no margin.
+    assert AUTO_POLICIES[int(choose_policy(auto, seconds, config))] == "chain"
+    on_ar = auto.replace(current=jnp.int32(0))
+    assert int(choose_policy(on_ar, seconds, config)) == 0  # 1.05 < 1.1: not enough to leave AR
+    probing = on_ar.replace(idle=jnp.int32(4))
+    assert AUTO_POLICIES[int(choose_policy(probing, seconds, config))] == "chain"  # probe the best speculative
+    faster = observe(auto, 1, jnp.float32(4.0), jnp.float32(0), AutoConfig(ema=1.0))
+    assert float(faster.tokens_per_step[1]) == 4.0 and int(faster.idle) == 0
+    unchanged = observe(faster, 1, jnp.float32(jnp.nan), jnp.float32(0), config)  # no live row: nothing learnt
+    assert float(unchanged.tokens_per_step[1]) == 4.0
+    with pytest.raises(SpecjaxError, match="margin"):
+        AutoConfig(margin=1.0)
+
+
+def test_auto_refuses_a_fixed_tree_budget(target, drafter):
+    with pytest.raises(SpecjaxError, match="budget rule"):
+        Engine(target, drafter).generate(PROMPTS, 4, method="auto", tree=TreeConfig(budget=SPEC_BLOCK))
