@@ -222,6 +222,9 @@ class Engine:
             if denoise_steps > 1 and query_rows is not None and query_rows < self.drafter.config.block_size:
                 raise SpecjaxError(f"denoise_steps > 1 verifies the whole block of {self.drafter.config.block_size} "
                                    f"rows, more than the target's query_rows ({query_rows}); use denoise_steps=1")
+        if spec.needs_auto and query_rows is not None and self.drafter.config.block_size > query_rows:
+            raise SpecjaxError(f"auto's chain verifies the drafter's whole block of {self.drafter.config.block_size} "
+                               f"rows, more than the target's query_rows ({query_rows}); raise --query-rows")
         if spec.needs_retrieval and not spec.needs_drafter:
             rapid = rapid.within_query_rows(query_rows)  # stats report the drafts it ran (rapid_drafts)
         if spec.needs_retrieval:
