@@ -557,6 +557,15 @@ def cmd_serve(args) -> int:
                          preemption=args.preemption)
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
                           mesh=_mesh(args))
+    if args.compile_only:  # every program is now in the compilation cache: the next start loads them
+        scheduler.wait_compiled()
+        scheduler.shutdown(drain=False)
+        from specjax.compile_cache import compile_cache_dir, compile_cache_enabled
+
+        where = compile_cache_dir() if compile_cache_enabled() else "nowhere (SPECJAX_COMPILE_CACHE=0)"
+        print(f"[specjax] compiled the server's programs in {scheduler.compile_seconds:.1f} s; kept in {where}",
+              file=sys.stderr, flush=True)
+        return 0
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
     print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
@@ -1093,6 +1102,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--snapshot-every", type=float, default=1.0, help="seconds between run-log snapshots")
     srv.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on shutdown before they are failed")
+    srv.add_argument("--compile-only", action="store_true",
+                     help="compile every program this server would run into the compilation cache, then exit: "
+                          "the next start with the same options loads them")
     _add_dtype_option(srv)
     _add_window_options(srv)
     _add_refiner_options(srv)

@@ -64,3 +64,16 @@ def test_a_cache_is_kept_per_cpu_kind():
     assert cpu_fingerprint(avx2) != cpu_fingerprint(amx)
     assert cpu_fingerprint(avx2) == cpu_fingerprint(avx2.replace("avx avx2", "avx2 avx"))  # flag order is not a kind
     assert len(cpu_fingerprint()) == 12
+
+
+def test_serve_compile_only_warms_the_cache_for_the_next_start(tmp_path):
+    """`serve --compile-only` compiles what the server would run and exits without listening; a second
+    one finds every program in the cache."""
+    folder = tmp_path / "model"
+    build_tiny_hf("llama", seed=4).save_pretrained(folder)
+    argv = ["serve", "--model", str(folder), "--method", "ar", "--slots", "2", "--context-length", "64",
+            "--max-new-tokens", "16", "--compile-only"]
+    first = _run(argv, tmp_path)
+    second = _run(argv, tmp_path)
+    assert first["misses"] >= 3 and first["hits"] == 0
+    assert second["hits"] >= first["misses"] - 1 and second["misses"] <= 1, (first, second)
