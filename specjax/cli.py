@@ -554,7 +554,7 @@ def cmd_serve(args) -> int:
                          prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
                          snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
                          retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
-                         preemption=args.preemption)
+                         preemption=args.preemption, ngram=_ngram_config(args))
     scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
                           mesh=_mesh(args))
     if args.compile_only:  # every program is now in the compilation cache: the next start loads them

@@ -205,7 +205,7 @@ SMALL_TREES = TreeConfig(buckets=(1, 4, 8))
 # tree+refiner runs every new code path (refined marginals, the tree step, measured costs); the
 # other two are slow, for the default suite's time budget.
 @pytest.mark.parametrize("method", [pytest.param("chain+refiner", marks=pytest.mark.slow),
-                                    pytest.param("tree", marks=pytest.mark.slow), "tree+refiner"])
+                                    pytest.param("tree", marks=pytest.mark.slow), "tree+refiner", "ngram"])
 def test_every_method_serves_greedy_requests_exactly(target, drafter, method, tmp_path):
     """Greedy requests through the refiner and tree steps, with sampled requests sharing the batch,
     give Engine.generate's AR tokens; the tree's budget rule runs on costs measured at the slot count."""

@@ -34,6 +34,7 @@ from specjax.decode import slots as slot_api
 from specjax.data.retrieval import NEEDS_ENCODER, IndexCache, RetrievalConfig, long_context_prompt
 from specjax.decode.budget import LatencyModel
 from specjax.decode.engine import lossless_agreement
+from specjax.decode.ngram import NgramConfig
 from specjax.decode.rapid import RapidConfig
 from specjax.decode.refine import RefineConfig
 from specjax.decode.sampling import SamplingConfig
@@ -108,6 +109,8 @@ class ServeConfig:
     `specjax report` plots."""
     rapid: RapidConfig = RapidConfig()
     """How the rapid method drafts (its drafts per step, and eta: knowledge transfer, lossy)."""
+    ngram: NgramConfig = NgramConfig()
+    """How the ngram method (prompt lookup) drafts, when it is served or among the policies."""
     retrieval: RetrievalConfig = RetrievalConfig()
     """How a document request's drafting prompt is retrieved (`document_request`; a request may
     override it)."""
@@ -420,7 +423,8 @@ class Scheduler:
                   else config.tree.within_query_rows(drafter.config.block_size - 1, model.config.query_rows)),
             rapid=config.rapid.within_query_rows(model.config.query_rows) if "rapid" in self.policies else None,
             drafting_length=-(-config.drafting_slots // 64) * 64 if self.drafts_from_retrieval else 0,
-            drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None)
+            drafter_on_retrieval=self.drafts_from_retrieval and drafter is not None,
+            ngram=config.ngram if needs("needs_ngram") else None)
         # A verify step writes up to one block or tree (or the padded query rows) past a row's
         # committed tokens; sliding layers keep KV rings that hold that much past their window.
         self.step_slack = max(statics.step_writes, model.config.query_rows or 1)
@@ -937,6 +941,8 @@ class Scheduler:
         method = slot_api.slot_method(policy)
         if method.needs_retrieval and not method.needs_drafter:  # rapid verifies its drafts + 1 tokens
             return statics.rapid.drafts + 1
+        if method.needs_ngram:
+            return statics.ngram.drafts + 1
         if not method.needs_drafter:
             return 1
         if method.needs_tree:
