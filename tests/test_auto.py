@@ -74,3 +74,34 @@ def test_the_choice_rule_explores_holds_with_a_margin_and_probes():
 def test_auto_refuses_a_fixed_tree_budget(target, drafter):
     with pytest.raises(SpecjaxError, match="budget rule"):
         Engine(target, drafter).generate(PROMPTS, 4, method="auto", tree=TreeConfig(budget=SPEC_BLOCK))
+
+
+@pytest.mark.slow  # a minute: 20,000 sampled rows through every policy of auto
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_auto_matches_the_exact_target_distribution(target, drafter, monkeypatch, broken):
+    """Sampling through auto, which here switches between AR, chain and tree within each row's output
+    (cheap verify; probes every step), matches the enumerated distribution; a broken residual rule in
+    the chain and tree acceptance fails the same test."""
+    import numpy as np
+
+    from specjax.decode import slots
+    from specjax.decode.sampling import SamplingConfig
+
+    from stats import chi_square_pvalue
+    from test_speculative import _broken_impl, _exact_marginals
+    from test_decode import TINY
+
+    _forced(monkeypatch, [1.0, 1.2, 1.4, 2.0], fixed_s=0.3)
+    if broken:  # its own config below, so the step is traced anew with the broken rule
+        monkeypatch.setattr(slots, "accept_sampled", _broken_impl)
+    prompt, depth, sampling = [1, 5, 2], 3, SamplingConfig(temperature=1.0)
+    exact = _exact_marginals(target.params, np.asarray(prompt), sampling, depth)
+    result = Engine(target, drafter).generate([prompt] * 20_000, depth, sampling, seed=11, ignore_eos=True,
+                                              method="auto", tree=TREE,
+                                              auto=AutoConfig(probe_every=1, margin=0.01 if broken else 0.0))
+    out = np.asarray(result.tokens)
+    pvalues = [chi_square_pvalue(np.bincount(out[:, i], minlength=TINY.vocab_size), exact[i]) for i in range(depth)]
+    if broken:
+        assert min(pvalues) < 1e-6, pvalues
+    else:
+        assert min(pvalues) > 1e-3, pvalues

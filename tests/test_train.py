@@ -217,6 +217,40 @@ def test_a_features_pass_at_each_batchs_own_width_stores_what_the_full_width_pas
     assert [len(ids) for ids, _ in sequences] != sorted(len(ids) for ids, _ in sequences)  # rows were reordered
 
 
+def test_a_killed_features_pass_resumes_where_it_stopped(target, tmp_path, monkeypatch):
+    """A features pass that dies after some batches is taken up again by the same call: only the
+    remaining batches run, and the set equals one built in a single pass."""
+    import specjax.train.drafter as drafter_module
+    from specjax.models.drafter import DrafterConfig
+
+    rng = np.random.default_rng(3)
+    sequences = [(rng.integers(0, target.config.vocab_size, size=int(rng.integers(4, 40))).tolist(), 1)
+                 for _ in range(10)]
+    taps = DrafterConfig.for_target(target.config, num_taps=2).target_layer_ids
+    build = lambda folder: drafter_module.build_distillation_set(  # noqa: E731
+        target.params, target.config, sequences, tmp_path / folder, taps, seq_len=48, teacher_labels=True,
+        batch_size=2, progress=False, topk=2, save_every_s=0.0)
+    whole = build("whole")
+    real, calls = drafter_module._features_pass, []
+
+    def dies_after_three(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drafter_module, "_features_pass", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        build("killed")
+    assert not (tmp_path / "killed" / "meta.json").exists()
+    calls.clear()
+    monkeypatch.setattr(drafter_module, "_features_pass", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    resumed = build("killed")
+    assert len(calls) == 5 - 3 and not (tmp_path / "killed" / "progress.json").exists()
+    for name in ("tokens", "labels", "valid", "features", "topk_ids", "topk_logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(resumed, name)), np.asarray(getattr(whole, name)), name)
+
+
 @pytest.mark.parametrize("teacher_labels", [True, False])
 def test_online_features_recompute_what_a_stored_set_holds(target, drafter, tmp_path, teacher_labels):
     """An online set keeps token ids only; the training step's target pass gives its batches the

@@ -19,7 +19,11 @@ target's token at a_j + k, weighted by exp(-(k-1)/gamma).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -163,7 +167,8 @@ def _features_pass(params, batch, *, config: TransformerConfig, target_layer_ids
 def build_distillation_set(target_params, target_config: TransformerConfig, sequences: Iterable[tuple[Sequence[int], int]],
                            out_dir: str | Path, target_layer_ids: tuple[int, ...], seq_len: int,
                            teacher_labels: bool, batch_size: int = 8, progress: bool = True,
-                           topk: int = 0, width_bucket: int = 32, store_features: bool = True) -> DistillationSet:
+                           topk: int = 0, width_bucket: int = 32, store_features: bool = True,
+                           save_every_s: float = 60.0) -> DistillationSet:
     """Run the target over sequences and store features and labels.
 
     Sequences run in batches of similar length, each at its longest length rounded up to
@@ -178,6 +183,8 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     targets of `DrafterTrainConfig.topk_weight`); 0 stores none.
     store_features: False makes an online set: the tokens alone, in seconds and a few bytes per token,
     without running the target (training recomputes features and teacher-forced labels per batch).
+    save_every_s: the arrays are flushed and the batches done recorded this often, so a pass that is
+    killed resumes from there when called again with the same sequences.
     """
     from tqdm.auto import tqdm
 
@@ -190,7 +197,15 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     if not store_features:
         return _online_set(rows, out_dir, target_layer_ids, seq_len, target_config.hidden_size, teacher_labels, topk)
     n, taps, d = len(rows), len(target_layer_ids), target_config.hidden_size
-    create = lambda name, dtype, shape: np.memmap(out_dir / name, dtype=dtype, mode="w+", shape=shape)
+    # A pass killed part-way resumes after its last flushed batch: progress.json names the set it was
+    # filling (a digest of the sequences and shapes) and how many batches are on disk.
+    digest = hashlib.sha256(json.dumps([rows, seq_len, list(target_layer_ids), topk, teacher_labels, batch_size,
+                                        width_bucket]).encode()).hexdigest()
+    progress_path = out_dir / "progress.json"
+    resumed = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+    done_batches = resumed.get("batches", 0) if resumed.get("digest") == digest else 0
+    mode = "r+" if done_batches else "w+"
+    create = lambda name, dtype, shape: np.memmap(out_dir / name, dtype=dtype, mode=mode, shape=shape)
     tokens = create("tokens.i32", np.int32, (n, seq_len))
     labels = create("labels.i32", np.int32, (n, seq_len))
     valid = create("valid.u8", np.uint8, (n, seq_len))
@@ -203,8 +218,23 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     run = partial(_features_pass, target_params, config=target_config, target_layer_ids=tuple(target_layer_ids),
                   topk=topk)
 
+    arrays = (tokens, labels, valid, features) + ((topk_ids, topk_logprobs) if topk else ())
+
+    def save_progress(batches: int) -> None:
+        for array in arrays:
+            array.flush()
+        partial_path = progress_path.with_suffix(".partial")
+        partial_path.write_text(json.dumps({"digest": digest, "batches": batches}))
+        os.replace(partial_path, progress_path)
+
     by_length = sorted(range(n), key=lambda r: len(rows[r][0]))
-    for begin in tqdm(range(0, n, batch_size), desc="target features", disable=not progress, unit="batch"):
+    starts = range(0, n, batch_size)
+    if done_batches:
+        _log(f"{out_dir}: resuming the features pass after {done_batches} of {len(starts)} batches")
+    last_save = time.monotonic()
+    for index in tqdm(range(done_batches, len(starts)), desc="target features", disable=not progress, unit="batch",
+                      initial=done_batches, total=len(starts)):
+        begin = starts[index]
         chunk = by_length[begin : begin + batch_size]
         longest = max(len(rows[r][0]) for r in chunk)
         width = min(-(-longest // width_bucket) * width_bucket, seq_len)
@@ -227,13 +257,21 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
             mask = np.zeros(seq_len, np.uint8)
             mask[max(start, 1) : len(ids)] = 1
             valid[row] = mask
-    for array in (tokens, labels, valid, features) + ((topk_ids, topk_logprobs) if topk else ()):
+        if time.monotonic() - last_save >= save_every_s:
+            save_progress(index + 1)
+            last_save = time.monotonic()
+    for array in arrays:
         array.flush()
+    progress_path.unlink(missing_ok=True)
     (out_dir / "meta.json").write_text(json.dumps({
         "shape": [n, seq_len, taps, d], "target_layer_ids": list(target_layer_ids),
         "teacher_labels": teacher_labels, "topk": topk,
     }))
     return DistillationSet.open(out_dir)
+
+
+def _log(message: str) -> None:
+    print(f"[specjax] {message}", file=sys.stderr, flush=True)
 
 
 def _online_set(rows, out_dir: Path, target_layer_ids, seq_len: int, hidden_size: int, teacher_labels: bool,
