@@ -543,9 +543,6 @@ class LazyLoadDatabase:
             entry = handle.read(length)
         return unserialize(_decompress_lazyload_entry(entry, name))
 
-    def load_all(self) -> dict[str, RObject]:
-        return {name: self.load(name) for name in self._offsets}
-
 
 def _decompress_lazyload_entry(entry: bytes, name: str) -> bytes:
     if len(entry) < 5:

@@ -43,9 +43,6 @@ from specjax.decode.ngram import NgramConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
 METHODS = tuple(SLOT_METHODS)
-SPECULATIVE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_drafter)
-REFINED_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_refiner)
-TREE_METHODS = tuple(name for name, m in SLOT_METHODS.items() if m.needs_tree)
 
 log = logging.getLogger("specjax.decode")
 

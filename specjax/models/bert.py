@@ -118,11 +118,6 @@ class BertEncoder(nn.Module):
         return x
 
 
-def init_bert_params(config: BertConfig, rng: jax.Array):
-    ids = jnp.zeros((1, 4), jnp.int32)
-    return BertEncoder(config).init(rng, ids, jnp.ones_like(ids))["params"]
-
-
 def encode_states(params, config: BertConfig, ids: jax.Array, mask: jax.Array) -> jax.Array:
     """ids, mask [B, T] -> token states [B, T, d] (what transformers' BertModel calls last_hidden_state)."""
     if ids.shape[1] > config.max_position_embeddings:
