@@ -24,7 +24,8 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from specjax.decode.engine import Engine  # noqa: E402
-from specjax.decode.rapid import RapidConfig, Redraft  # noqa: E402
+from specjax.data.retrieval import Redraft  # noqa: E402
+from specjax.decode.rapid import RapidConfig  # noqa: E402
 from specjax.decode.tree import TreeConfig  # noqa: E402
 from specjax.io.dflash import LoadedDrafter  # noqa: E402
 from specjax.io.registry import LoadedModel  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specjax"
 
 RULES = [
     # (files, imports they must not make, why)
-    ("models", ("specjax.decode", "specjax.serve", "specjax.monitor"), "models never import decoding"),
-    ("pallas_kernels", ("specjax.",), "kernels are leaves"),
-    ("monitor", ("specjax.decode", "specjax.serve"), "the monitor is a sink that others report to"),
-    ("decode", ("specjax.serve", "fastapi", "starlette", "uvicorn"), "nothing below serve knows about HTTP"),
-    ("train", ("specjax.serve", "fastapi", "starlette", "uvicorn"), "nothing below serve knows about HTTP"),
-    ("io", ("specjax.decode", "specjax.serve"), "loading weights knows nothing of decoding"),
+    ("models", ("specjax.decode", "specjax.serve", "specjax.monitor", "specjax.train", "specjax.data"),
+     "models never import decoding, training or data"),
+    ("monitor", ("specjax.decode", "specjax.serve", "specjax.train", "specjax.models"),
+     "the monitor is a sink that others report to"),
+    ("decode", ("specjax.serve", "specjax.train", "fastapi", "starlette", "uvicorn"),
+     "decoding knows neither HTTP nor training"),
+    ("train", ("specjax.serve", "specjax.monitor", "fastapi", "starlette", "uvicorn"),
+     "training runs the decode loop, never the server"),
+    ("io", ("specjax.decode", "specjax.serve", "specjax.train", "specjax.data"), "loading weights knows nothing of decoding"),
+    ("data", ("specjax.decode", "specjax.serve", "specjax.train", "specjax.monitor", "specjax.models"),
+     "corpora, prompts and retrieval sit below decoding and training"),
 ]
+
+KERNEL_IMPORTS = ("jax", "numpy", "specjax.pallas_kernels")
+"""Kernels are leaves: they import jax, numpy, each other and the standard library, so a bare GPU
+machine can run them."""
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -33,10 +43,25 @@ def imported_modules(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("folder, banned, why", RULES, ids=[r[0] for r in RULES])
 def test_layers_import_only_downwards(folder, banned, why):
+    files = sorted((PACKAGE / folder).rglob("*.py"))
+    assert files
     offences = [f"{path.relative_to(PACKAGE.parent)} imports {module}"
-                for path in sorted((PACKAGE / folder).glob("*.py"))
-                for module in imported_modules(path) if module.startswith(banned)]
+                for path in files for module in imported_modules(path) if module.startswith(banned)]
     assert not offences, f"{why}: " + "; ".join(offences)
+
+
+def _kernel_import_allowed(module: str) -> bool:
+    top = module.split(".")[0]
+    return top in sys.stdlib_module_names or any(module == m or module.startswith(m + ".") for m in KERNEL_IMPORTS)
+
+
+def test_kernels_import_only_jax_numpy_and_each_other():
+    files = sorted((PACKAGE / "pallas_kernels").rglob("*.py"))
+    assert len(files) > 4  # the kernels' own folders are read, not only the package's top
+    offences = [f"{path.relative_to(PACKAGE.parent)} imports {module}"
+                for path in files for module in imported_modules(path) if not _kernel_import_allowed(module)]
+    assert not offences, "kernels are leaves: " + "; ".join(offences)
+    assert not _kernel_import_allowed("specjax.decode.engine") and not _kernel_import_allowed("flax.linen")
 
 
 def test_the_check_sees_a_banned_import(tmp_path):

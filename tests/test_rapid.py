@@ -352,7 +352,7 @@ def test_re_retrieval_rebuilds_the_drafting_context_and_stays_exact(target):
     """Rows that start from an unrelated drafting prompt and re-retrieve every 4 tokens (here: their
     whole prompt) draft better afterwards, and the output is still AR's; prompt_for sees each row's
     generated tokens so far, and a prompt longer than promised is refused."""
-    from specjax.decode.rapid import Redraft
+    from specjax.data.retrieval import Redraft
 
     prompts = [DOCUMENT + [1, 5, 2], DOCUMENT[:9] + [4, 4]]
     engine = Engine(target)

@@ -268,14 +268,34 @@ def long_context_prompt(tokenizer, document: str, question: str | list[dict], co
                              selection, len(ids), index.build_seconds if cache.misses > misses else 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Redraft:
+    """Re-retrieval while decoding (rapid, rapid+block): every `every` generated tokens a row's
+    drafting context is rebuilt from a new drafting prompt, typically chunks retrieved for the
+    question and the text generated so far (`redrafting` below). Exact either way: only
+    the drafts change. A refresh costs a host sync, the retrieval and a prefill of the drafting
+    prompt (rapid's only from the first token where the new prompt differs from the one its context
+    holds; none when they are the same); it buys drafts from passages about what the answer has
+    reached."""
+
+    every: int
+    """Generated tokens between refreshes (a refresh happens at the first sync past each multiple)."""
+    prompt_for: Callable[[int, list[int]], list[int]]
+    """(row, the row's generated tokens so far) -> its new drafting prompt, without those tokens
+    (the engine appends them)."""
+    max_prompt_tokens: int
+    """Most tokens prompt_for returns: with the generated tokens it sizes the drafting context."""
+
+    def __post_init__(self):
+        check_at_least(1, every=self.every, max_prompt_tokens=self.max_prompt_tokens)
+
+
 def redrafting(tokenizer, document: str, question: str | list[dict], config: RetrievalConfig, every: int,
                cache: IndexCache | None = None, encoder=None, chat: bool = True):
     """Re-retrieval every `every` generated tokens for one long-context request: a
     `decode/rapid.py:Redraft` whose prompt_for retrieves for the question followed by the last
     `recent_tokens` generated tokens, as text, and returns the drafting prompt built from what it
     picked (as `long_context_prompt` builds it), without the generated tokens."""
-    from specjax.decode.rapid import Redraft
-
     query, joined = _question_parts(question, chat)
     encode = tokenizer.encode_chat if chat else tokenizer.encode
     cache = cache if cache is not None else IndexCache()

@@ -37,7 +37,8 @@ from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
 from specjax.models.transformer import forward, head_matrix, token_embedder, with_float32_embedding
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
-from specjax.decode.rapid import RapidConfig, Redraft
+from specjax.data.retrieval import Redraft
+from specjax.decode.rapid import RapidConfig
 from specjax.decode.auto import AUTO_POLICIES, AutoConfig
 from specjax.decode.ngram import NgramConfig
 

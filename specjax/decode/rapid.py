@@ -18,7 +18,6 @@ host-side branch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,28 +64,6 @@ class RapidConfig:
         if not self.lossy:
             return None
         return f"rapid knowledge transfer at eta={self.eta:g}: the output follows the target shifted toward its drafts"
-
-
-@dataclasses.dataclass(frozen=True)
-class Redraft:
-    """Re-retrieval while decoding (rapid, rapid+block): every `every` generated tokens a row's
-    drafting context is rebuilt from a new drafting prompt, typically chunks retrieved for the
-    question and the text generated so far (`data/retrieval.py:redrafting`). Exact either way: only
-    the drafts change. A refresh costs a host sync, the retrieval and a prefill of the drafting
-    prompt (rapid's only from the first token where the new prompt differs from the one its context
-    holds; none when they are the same); it buys drafts from passages about what the answer has
-    reached."""
-
-    every: int
-    """Generated tokens between refreshes (a refresh happens at the first sync past each multiple)."""
-    prompt_for: Callable[[int, list[int]], list[int]]
-    """(row, the row's generated tokens so far) -> its new drafting prompt, without those tokens
-    (the engine appends them)."""
-    max_prompt_tokens: int
-    """Most tokens prompt_for returns: with the generated tokens it sizes the drafting context."""
-
-    def __post_init__(self):
-        check_at_least(1, every=self.every, max_prompt_tokens=self.max_prompt_tokens)
 
 
 def draft_on_retrieved(params, config: TransformerConfig, cache: KVCache, slot, previous, last_token, draw_keys,
