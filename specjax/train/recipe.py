@@ -310,7 +310,8 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                                 "held-out chat")
     heldout, looping = without_looping(heldout)
     if looping:
-        _log(f"held-out chat: {looping} of {heldout.num_sequences + looping} answers are stuck in a loop "
+        _log(f"held-out {'ShareGPT' if recipe.heldout_sharegpt else 'chat'}: {looping} of "
+             f"{heldout.num_sequences + looping} answers are stuck in a loop "
              "(distinct-3 under 0.5) and are left out of the acceptance estimate")
     corpus_dir = out_dir / "corpus"
 
