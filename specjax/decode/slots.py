@@ -12,8 +12,9 @@ acceptance rule then accepts exactly the drafts that match the argmax, and resam
 
 Methods live in one registry, `SLOT_METHODS`: ar, chain, chain+refiner, tree and tree+refiner
 (each windowed when its drafter is), rapid, ngram (prompt lookup, no drafter), and auto (AR, chain
-or tree at each step, whichever is predicted to commit the most tokens per second; decode/auto.py). Every method advances the same `SlotState`, so the
-host side (specjax/serve) never branches on method names, and a caller may change the method
+or tree at each step, whichever is predicted to commit the most tokens per second; decode/auto.py).
+Every method advances the same `SlotState`, so the host side (specjax/serve) never branches on
+method names, and a caller may change the method
 between two steps (the state holds every part any of them reads), except into rapid: only rapid
 steps keep its retrieval cache current.
 """
@@ -822,7 +823,8 @@ def _auto_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     auto, costs = state.auto, parts.tree_costs
     block = statics.drafter_config.block_size
     choice = choose_policy(auto, policy_seconds(auto, costs, block), statics.auto)
-    branches = [lambda st, m=SLOT_METHODS[name]: m.one_step(parts, st, statics, attend_slots) for name in AUTO_POLICIES]
+    branches = [lambda st, m=SLOT_METHODS[name]: m.one_step(parts, st, statics, attend_slots)
+                for name in AUTO_POLICIES]
     stepped = jax.lax.switch(choice, branches, state)
     # What each live row committed, from its accepted-length histogram (a step that accepted n
     # drafts commits n + 1 tokens, whatever an EOS or the token limit then keeps).
