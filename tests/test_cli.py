@@ -162,6 +162,7 @@ def test_bench_json_contract(tiny_with_tokenizer_and_drafter, capsys):
     assert chain["tokens_per_s"] > 0 and len(chain["per_position_acceptance"]) == 3
 
 
+@pytest.mark.slow  # 24 s; tests/test_auto.py and tests/test_ngram.py check both methods in the default suite
 def test_bench_runs_auto_and_ngram_beside_ar(tiny_with_tokenizer_and_drafter, capsys, monkeypatch, tmp_path):
     """auto reports the policy steps it chose over every call; ngram needs no drafter; both equal AR."""
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))  # the latency model is measured, not read from the user's cache

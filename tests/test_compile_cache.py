@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from specjax.compile_cache import cpu_fingerprint
 
 from conftest import build_tiny_hf
@@ -66,6 +68,7 @@ def test_a_cache_is_kept_per_cpu_kind():
     assert len(cpu_fingerprint()) == 12
 
 
+@pytest.mark.slow  # 21 s; the generate test above checks cache hits in the default suite
 def test_serve_compile_only_warms_the_cache_for_the_next_start(tmp_path):
     """`serve --compile-only` compiles what the server would run and exits without listening; a second
     one finds every program in the cache."""
@@ -76,4 +79,4 @@ def test_serve_compile_only_warms_the_cache_for_the_next_start(tmp_path):
     first = _run(argv, tmp_path)
     second = _run(argv, tmp_path)
     assert first["misses"] >= 3 and first["hits"] == 0
-    assert second["hits"] >= first["misses"] - 1 and second["misses"] <= 1, (first, second)
+    assert second["misses"] == 0 and second["hits"] >= 3, (first, second)  # nothing compiled anew
