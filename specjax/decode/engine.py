@@ -39,7 +39,7 @@ from specjax.models.transformer import forward, head_matrix, token_embedder, wit
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.data.retrieval import Redraft
 from specjax.decode.rapid import RapidConfig
-from specjax.decode.auto import AUTO_POLICIES, AutoConfig
+from specjax.decode.auto import AUTO_POLICIES, AutoConfig, policy_seconds
 from specjax.decode.ngram import NgramConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
@@ -657,14 +657,12 @@ class Engine:
 
 def _auto_stats(auto, latency: LatencyModel, block: int) -> dict:
     """What the auto method chose, and the estimates it chose by, as it ended the run."""
-    step_s = float(np.interp(1, latency.sizes, latency.verify_s))
-    chain_s = latency.fixed_s + float(np.interp(block, latency.sizes, latency.verify_s))
-    seconds = [step_s, chain_s, float(auto.tree_seconds) or chain_s]
+    seconds = [float(x) for x in policy_seconds(auto, latency.costs(), block)]  # what the step chose by
     return {
         "policy_steps": {name: int(n) for name, n in zip(AUTO_POLICIES, auto.steps)},
         "tokens_per_step": {name: float(t) for name, t in zip(AUTO_POLICIES, auto.tokens_per_step)},
         "seconds_per_step": dict(zip(AUTO_POLICIES, seconds)),
-        "chain_step_over_decode_step": chain_s / step_s,
+        "chain_step_over_decode_step": seconds[1] / seconds[0],
     }
 
 
