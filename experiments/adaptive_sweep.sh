@@ -46,10 +46,8 @@ for I in "${!ENTRIES[@]}"; do
   SERVERS+=($!)
   READY=
   for _ in $(seq 900); do  # one at a time, so compiles never overlap
-    if curl -sf "$(url "$I")/health" > /dev/null; then
-      # An adaptive server answers while its other policies compile: wait for all of them.
-      if [ "$METHOD" != adaptive ] || grep -q "policies ready" "$OUT/$NAME.server.log"; then READY=1; break; fi
-    fi
+    # /ready answers 200 once every policy is compiled (an adaptive server's included).
+    if curl -sf "$(url "$I")/ready" > /dev/null; then READY=1; break; fi
     kill -0 "${SERVERS[$I]}" 2>/dev/null || break
     sleep 1
   done

@@ -33,7 +33,7 @@ specjax serve --method "$METHOD" --slots "$SLOTS" --context-length 512 --max-new
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-  curl -sf "$URL/health" > /dev/null && break
+  curl -sf "$URL/ready" > /dev/null && break
   sleep 1
 done
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from specjax.errors import SpecjaxError
@@ -524,11 +525,6 @@ def cmd_demo(args) -> int:
 
 def cmd_serve(args) -> int:
     """The OpenAI-compatible server: continuous batching over --slots slots, until Ctrl-C or SIGTERM."""
-    import signal
-
-    import uvicorn
-
-    from specjax.serve.http import create_app
     from specjax.serve.scheduler import Scheduler, ServeConfig
 
     from specjax.decode.rapid import RapidConfig
@@ -556,9 +552,10 @@ def cmd_serve(args) -> int:
                          snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
                          retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
                          preemption=args.preemption, ngram=_ngram_config(args))
-    scheduler = Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
-                          mesh=_mesh(args))
+    build = lambda: Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
+                              mesh=_mesh(args))
     if args.compile_only:  # every program is now in the compilation cache: the next start loads them
+        scheduler = build()
         scheduler.wait_compiled()
         scheduler.shutdown(drain=False)
         from specjax.compile_cache import compile_cache_dir, compile_cache_enabled
@@ -567,21 +564,49 @@ def cmd_serve(args) -> int:
         print(f"[specjax] compiled the server's programs in {scheduler.compile_seconds:.1f} s; kept in {where}",
               file=sys.stderr, flush=True)
         return 0
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), host=args.host, port=args.port,
+    return _serve_http(args, model, build)
+
+
+def _serve_http(args, model, build) -> int:
+    """Listen at once (/health answers), build and compile the scheduler on a thread (/ready answers
+    200 once every policy is compiled, so no background compile takes the cores from requests), serve
+    until SIGINT/SIGTERM, then drain."""
+    import signal
+
+    import uvicorn
+
+    from specjax.serve.http import Startup, create_app
+
+    def ready_scheduler():
+        scheduler = build()
+        scheduler.wait_compiled()
+        print(f"[specjax] ready: {time.monotonic() - startup.started:.1f} s after listening", file=sys.stderr,
+              flush=True)
+        return scheduler
+
+    def stop(_exc):
+        server.should_exit = True
+
+    startup = Startup(ready_scheduler, model.name, args.context_length, on_failure=stop)
+    server = uvicorn.Server(uvicorn.Config(create_app(startup), host=args.host, port=args.port,
                                            log_level="info", timeout_graceful_shutdown=args.drain_timeout))
-    print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
-          flush=True)
+    print(f"[specjax] serving {model.name} ({args.method}) on http://{args.host}:{args.port}/v1; compiling "
+          f"before /ready answers 200", file=sys.stderr, flush=True)
     # uvicorn answers SIGINT/SIGTERM by closing the listener and waiting for open requests, then
     # re-raises the signal to whatever handler was installed before it: make that a no-op, so the
     # process goes on to drain the scheduler and exits 0 instead of dying from the re-raised signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        startup.start()
         server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         # Requests still decoding finish (or fail cleanly after --drain-timeout) before the process ends.
-        scheduler.shutdown(drain=True, timeout=args.drain_timeout)
+        if startup.scheduler is not None:
+            startup.scheduler.shutdown(drain=True, timeout=args.drain_timeout)
+    if startup.error is not None:
+        raise SpecjaxError(f"the server failed to start: {startup.error}") from startup.error
     return 0
 
 

@@ -377,7 +377,7 @@ def _tiny_tokenizer():
 
 
 def _serve_in_thread(scheduler):
-    """uvicorn on 127.0.0.1 (a free port) in a thread; returns (url, stop)."""
+    """uvicorn on 127.0.0.1 (a free port) in a thread, serving a Scheduler or a Startup; returns (url, stop)."""
     import uvicorn
 
     from specjax.serve.http import create_app
@@ -393,7 +393,9 @@ def _serve_in_thread(scheduler):
     def stop():
         server.should_exit = True
         thread.join(timeout=30)
-        scheduler.shutdown(drain=False)
+        built = getattr(scheduler, "scheduler", scheduler)  # a Startup's, once built
+        if built is not None:
+            built.shutdown(drain=False)
 
     return f"http://127.0.0.1:{port}", stop
 
@@ -405,6 +407,52 @@ def server(target, drafter):
     url, stop = _serve_in_thread(scheduler)
     yield url, scheduler, model
     stop()
+
+
+def test_health_answers_while_the_server_starts_and_ready_once_it_serves(target, drafter):
+    """Liveness apart from readiness: /health is 200 (ready false) and requests get 503 with
+    Retry-After while the scheduler is built; /ready turns 200 once it is; a failed start is a 500."""
+    import httpx
+
+    from specjax.serve.http import Startup
+
+    model = LoadedModel("tiny", TINY, target.params, _tiny_tokenizer(), target.eos_token_ids)
+    release = threading.Event()
+
+    def build():
+        assert release.wait(60)
+        return Scheduler(model, drafter, _config("ar", slot_count=1))
+
+    startup = Startup(build, "tiny", 128).start()
+    url, stop = _serve_in_thread(startup)
+    try:
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "ready": False, "phase": "starting"}
+        assert httpx.get(f"{url}/ready").status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 5, 2], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        assert "starting" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+        release.set()
+        assert startup.wait(120) is not None
+        assert httpx.get(f"{url}/ready").status_code == 200
+        done = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 5, 2], "max_tokens": 2, "temperature": 0},
+                          timeout=60)
+        assert done.status_code == 200 and len(done.json()["choices"][0]["token_ids"]) == 2
+    finally:
+        stop()
+
+    def broken():
+        raise ValueError("no such drafter")
+
+    failed = Startup(broken, "tiny", 128).start()
+    failed.wait(30)
+    url, stop = _serve_in_thread(failed)
+    try:
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 500 and health.json()["phase"] == "failed"
+        assert "no such drafter" in httpx.post(f"{url}/v1/completions", json={"prompt": [1]}).json()["error"]["message"]
+    finally:
+        stop()
 
 
 def _client(url):
@@ -451,7 +499,9 @@ def test_models_health_and_prometheus_metrics(server):
 
     url, scheduler, _ = server
     scheduler.submit(Request((1, 5, 2), max_tokens=12, temperature=0.0)).result(timeout=60)
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "ready": True, "phase": "ready", "running": 0,
+                                                 "waiting": 0}
+    assert httpx.get(f"{url}/ready").status_code == 200
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
     for name in ("specjax:spec_decode_num_drafts", "specjax:spec_decode_num_accepted_tokens_per_pos",
@@ -685,7 +735,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path):
         deadline = time.time() + 180
         while time.time() < deadline:
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)

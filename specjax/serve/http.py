@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server over the scheduler (FastAPI + uvicorn, SSE for streaming).
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
-/health and /metrics (Prometheus text). A request may carry a long `document`: it goes before the
+/health (liveness: 200 as soon as the process listens, saying whether it is ready), /ready (200 once
+every program is compiled, 503 before) and /metrics (Prometheus text). While the server starts,
+requests get 503 with Retry-After. A request may carry a long `document`: it goes before the
 prompt (or the last user message), and a rapid or rapid+block server drafts from the chunks of it
 retrieved for the question (the `retrieval` object overrides the server's retrieval settings). Each response carries its request's speculative metrics
 under `metrics.speculative_decoding`, as vLLM's do. Bad input gets 400 with a message, a full queue
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -26,8 +30,57 @@ from specjax.errors import SpecjaxError
 from specjax.serve.scheduler import QueueFull, Request, RequestHandle, RequestResult, Scheduler
 
 
+log = logging.getLogger(__name__)
+
+
 class BadRequest(SpecjaxError):
     pass
+
+
+class Startup:
+    """A server's scheduler, built on a thread so that the process answers /health while it loads
+    the model and compiles (minutes on a cold 2-core start): liveness apart from readiness."""
+
+    def __init__(self, build: Callable[[], Scheduler], model_name: str, context_length: int,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.model_name = model_name
+        self.context_length = context_length
+        self.scheduler: Scheduler | None = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self._build = build
+        self._on_failure = on_failure
+        self._thread = threading.Thread(target=self._run, name="specjax-startup", daemon=True)
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> "Startup":
+        """An already built (and compiled) scheduler: ready from the start."""
+        startup = cls(lambda: scheduler, scheduler.model.name, scheduler.config.context_length)
+        startup.scheduler = scheduler
+        return startup
+
+    def start(self) -> "Startup":
+        if self.scheduler is None:
+            self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> Scheduler | None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return self.scheduler
+
+    def _run(self) -> None:
+        try:
+            self.scheduler = self._build()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and to the process
+            self.error = exc
+            log.exception("the server failed to start")
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    @property
+    def phase(self) -> str:
+        return "failed" if self.error is not None else "ready" if self.scheduler is not None else "starting"
 
 
 def _number(body: dict, name: str, kind, default, low=None, high=None):
@@ -166,30 +219,54 @@ def _usage(result: RequestResult) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def create_app(scheduler: Scheduler):
-    """A FastAPI app serving `scheduler`."""
+def create_app(server: Scheduler | Startup):
+    """A FastAPI app serving a scheduler, or one still being built (a Startup)."""
+    startup = server if isinstance(server, Startup) else Startup.of(server)
     app = FastAPI(title="specjax", version="0.1")
-    model_name = scheduler.model.name
+    model_name = startup.model_name
 
     def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                             headers=headers)
 
+    def not_ready():
+        if startup.error is not None:
+            return error(500, f"the server failed to start: {startup.error}", "server_error")
+        return error(503, f"the server is starting (loading and compiling, {time.monotonic() - startup.started:.0f} s "
+                          "so far); GET /ready answers 200 once it serves", "service_unavailable",
+                     headers={"Retry-After": "5"})
+
     @app.get("/health")
     def health():
-        return {"status": "ok", "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        scheduler = startup.scheduler
+        body = {"status": "failed" if startup.error is not None else "ok", "ready": scheduler is not None,
+                "phase": startup.phase}
+        if scheduler is not None:
+            body.update(running=scheduler.num_running, waiting=scheduler.num_waiting)
+        return JSONResponse(body, status_code=500 if startup.error is not None else 200)
+
+    @app.get("/ready")
+    def ready():
+        if startup.scheduler is None:
+            return not_ready()
+        return {"status": "ready"}
 
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specjax",
-                                            "max_model_len": scheduler.config.context_length}]}
+                                            "max_model_len": startup.context_length}]}
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(scheduler.metrics.prometheus_text(),
+        if startup.scheduler is None:
+            return not_ready()
+        return PlainTextResponse(startup.scheduler.metrics.prometheus_text(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def complete(http: HttpRequest, chat: bool):
+        scheduler = startup.scheduler
+        if scheduler is None:
+            return not_ready()
         try:
             body = json.loads(await http.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
