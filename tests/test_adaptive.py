@@ -8,8 +8,11 @@ signals and through a live scheduler.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -328,6 +331,7 @@ from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E40
 
 def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, metrics_log=None,
               snapshot_every=1.0, preemption="park", **controller):
+    controller.setdefault("remember", False)  # no acceptance carried from one test (or run) to the next
     config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
                          prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree,
                          snapshot_every=snapshot_every, preemption=preemption)
@@ -629,6 +633,40 @@ def test_an_adaptive_server_with_trees_in_its_set_stays_exact(target, drafter, t
         assert result.token_ids == whole[:limit]
     used = set().union(*(r.metrics["policy_steps"] for r in results))
     assert "tree" in used and len(used) >= 2, used
+
+
+def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measured_fastest():
+    fresh = _controller()
+    fresh.choose_start(1, 128)
+    # The 0.5 prior: chain:3 commits 1.875 tokens a step for 1.3x AR's cost, the chain 1.99 for 1.4x.
+    assert fresh.current == "chain:3"
+    poor = _controller()
+    _observe_chain(poor, 0.1)
+    assert poor.priors()["acceptance"][0] == pytest.approx(0.1)
+    later = _controller()
+    later.load_priors(json.loads(json.dumps(poor.priors())))
+    assert later.choose_start(1, 128) == "ar"  # 1.1 tokens a step do not pay for the chain's cost
+    assert not later.acceptance_seen.any()  # still a prior: the first observation replaces it
+    _observe_chain(later, 0.9)
+    assert later.acceptance[0] == pytest.approx(0.9)
+    other_block = Controller(("ar", "chain"), 16)
+    other_block.load_priors(poor.priors())
+    assert (other_block.acceptance == 0.5).all()
+
+
+def test_an_adaptive_server_keeps_its_acceptance_for_the_next_start(target, drafter, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    first = _adaptive(target, drafter, remember=True)
+    try:
+        first.submit(Request(tuple(PROMPTS[0]), max_tokens=12, temperature=0.0)).result(timeout=300)
+    finally:
+        first.shutdown()
+    saved = list((tmp_path / "serve").glob("*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["acceptance"] == first.controller.priors()["acceptance"]
+    second = _adaptive(target, drafter, remember=True)
+    second.shutdown()
+    assert second.controller.acceptance.tolist() == pytest.approx(
+        [0.5 if a is None else a for a in first.controller.priors()["acceptance"]])
 
 
 def test_the_start_policy_is_the_longest_chain_whatever_else_the_set_holds():

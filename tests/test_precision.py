@@ -231,6 +231,7 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
     same fitted chain, for a request naming "chain" too."""
     import dataclasses
 
+    from specjax.serve.controller import ControllerConfig
     from specjax.serve.scheduler import Request, Scheduler, ServeConfig
 
     width = BLOCK - 2
@@ -263,7 +264,8 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
     assert ControllerConfig().policy_set(16, query_rows=8) == ("ar", "chain", "tree")
     assert ControllerConfig(policies=("ar", "chain:3")).policy_set(16, query_rows=8) == ("ar", "chain:3")
     server = Scheduler(padded, at_compute_dtype(drafter, "bfloat16"),
-                       ServeConfig(method="adaptive", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16),
+                       ServeConfig(method="adaptive", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16,
+                                   controller=ControllerConfig(remember=False)),
                        compile_now=False, latency_cache=tmp_path)
     try:
         assert server.policies == ("ar", f"chain:{width - 1}", "tree")

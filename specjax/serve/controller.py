@@ -75,6 +75,11 @@ class ControllerConfig:
     the estimate is near enough to flip."""
     probe_floor: float = 0.5
     """Predicted value, as a fraction of the current policy's, below which probes are rarest."""
+    remember: bool = True
+    """Keep the measured draft acceptance between starts, per machine, model, drafter shape, slot
+    count and policy set (under $SPECJAX_CACHE/serve), and start from it: the first policy served is
+    then the one predicted fastest here from measured costs and acceptance. False: every start
+    begins at the 0.5 no-opinion prior."""
     kv_budget_bytes: int | None = None
     """Bytes of KV (target and drafter) the server may hold; None: the slots' whole capacity."""
     kv_high_water: float = 0.9
@@ -380,6 +385,32 @@ class Controller:
                 throughput[policy] = sum(rates)
                 goodput[policy] = sum(r for r in rates if slo is not None and 1.0 / r <= slo)
         return goodput if slo is not None and any(goodput.values()) else throughput
+
+    # ---- what an earlier run learned ----
+
+    def priors(self) -> dict:
+        """What this run measured of acceptance, for the next start on this machine and model."""
+        return {"block": self.block,
+                "acceptance": [float(c) if seen else None for c, seen in zip(self.acceptance, self.acceptance_seen)],
+                "observed_tau": dict(self.observed_tau)}
+
+    def load_priors(self, priors: dict) -> None:
+        """Start from an earlier run's acceptance in place of the 0.5 no-opinion prior. They stay
+        priors: the first observation of each position replaces its value outright."""
+        if priors.get("block") != self.block:
+            return
+        for j, value in enumerate(priors.get("acceptance", [])[: len(self.acceptance)]):
+            if value is not None:
+                self.acceptance[j] = value
+        self.observed_tau.update({p: t for p, t in priors.get("observed_tau", {}).items() if p in self.policies})
+
+    def choose_start(self, rows: int, attend: int) -> str:
+        """Once every policy is ready and timed: serve first the one predicted fastest at this shape,
+        by the measured start-up costs and the acceptance priors, instead of always the longest chain."""
+        values = self.predicted(rows, attend, [self.block - 1] * rows)
+        if values:
+            self.current = max(values, key=values.get)
+        return self.current
 
     # ---- the decision ----
 

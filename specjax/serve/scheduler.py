@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -484,6 +487,11 @@ class Scheduler:
         full_context = drafter is not None and drafter.config.window is None and self.statics.rapid is None
         self._relief_window = config.controller.relief_window if full_context else None
         self.controller = Controller(self.policies, self.statics.block, config.controller, config.steps_per_sync)
+        self._priors_path = (self._controller_priors_path(drafter) if self.adaptive and config.controller.remember
+                             else None)
+        if self._priors_path is not None and self._priors_path.exists():
+            with contextlib.suppress(ValueError, OSError):  # a damaged file is only a lost prior
+                self.controller.load_priors(json.loads(self._priors_path.read_text()))
         self.decisions: collections.deque[tuple[float, Decision]] = collections.deque(maxlen=DECISION_HISTORY)
         """(wall time, the controller's Decision) for the most recent device calls, oldest first."""
         self.policy = self.controller.current
@@ -545,6 +553,26 @@ class Scheduler:
                                            SamplingConfig(), lengths, statics.slot.cache_length)
             latency.save(key, folder)
         return latency
+
+    def _controller_priors_path(self, drafter) -> Path:
+        """Where the adaptive controller's measured acceptance is kept between starts: per machine,
+        model, drafter shape, slot count and policy set."""
+        from specjax.decode.budget import machine_id
+
+        key = repr((machine_id(), self.model.name, self.statics.target_config, drafter.config if drafter else None,
+                    self.config.slots, self.policies))
+        return cache_dir() / "serve" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+
+    def _save_controller_priors(self) -> None:
+        if self._priors_path is None or not self.controller.calls:
+            return
+        try:
+            self._priors_path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self._priors_path.with_suffix(".partial")
+            partial.write_text(json.dumps(self.controller.priors()))
+            partial.replace(self._priors_path)
+        except OSError:
+            log.warning("could not keep the controller's acceptance in %s", self._priors_path, exc_info=True)
 
     def _fresh_state(self) -> slot_api.SlotState:
         """Every slot free, built on the mesh's devices when there is one."""
@@ -661,9 +689,13 @@ class Scheduler:
             if self._stopping:
                 return
             self._make_ready(policy, compile_steps=False)
+        # The first requests arrive one at a time: start on what is fastest for one live row.
+        start = self.controller.choose_start(self.row_buckets[0], self.attend_buckets[0])
         print(f"[specjax] adaptive: {len(self.controller.ready)} policies ready "
               f"({', '.join(sorted(self.controller.ready))}); the rest compiled in the background in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+              f"{time.perf_counter() - started:.1f} s; starting on {start} (measured costs, "
+              f"{'acceptance from the last run' if self._priors_path and self._priors_path.exists() else 'no acceptance measured yet'})",
+              file=sys.stderr, flush=True)
 
     def _compile_drafting_fills(self) -> None:
         """One drafting-context fill per (drafting bucket, insert size): a rapid server fills that
@@ -903,6 +935,7 @@ class Scheduler:
         self._stopping = True
         self._wake()
         self._thread.join(timeout=60)
+        self._save_controller_priors()
         self.metrics.close()
 
     # ---- the scheduler thread ----
