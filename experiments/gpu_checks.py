@@ -23,8 +23,10 @@ so the script is known to work before a GPU is lent. The Pallas kernel checks ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +36,7 @@ from pathlib import Path
 # Seconds each section may take on the GPU, in the order they run: 8 minutes in all.
 SECTION_LIMITS = {"decode": 170, "verify_curve": 140, "serve": 110, "demo": 60}
 # On the CPU a dry run compiles for most of its time.
-DRY_RUN_LIMITS = {"decode": 420, "verify_curve": 120, "serve": 420, "demo": 300}
+DRY_RUN_LIMITS = {"decode": 600, "verify_curve": 120, "serve": 900, "demo": 900}
 
 
 def write_json(path: Path, payload) -> None:
@@ -130,9 +132,9 @@ def section_serve(out: Path, dry_run: bool) -> None:
     for method in ("ar", "adaptive"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        slots, requests, tokens = ("2", "4", "4") if dry_run else ("16", "64", "64")
+        slots, context, requests, tokens = ("1", "256", "4", "4") if dry_run else ("16", "512", "64", "64")
         server = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--method", method, "--slots", slots,
-                                   "--context-length", "512", "--max-new-tokens", "128", "--port", str(port)]
+                                   "--context-length", context, "--max-new-tokens", "128", "--port", str(port)]
                                   + (["--policies", "ar,chain"] if dry_run and method == "adaptive" else []),
                                   stdout=sys.stderr, stderr=sys.stderr)
         launched = time.monotonic()
@@ -170,11 +172,17 @@ def run_sections(out: Path, names: list[str], dry_run: bool) -> dict:
     for name in names:
         started = time.monotonic()
         command = [sys.executable, __file__, str(out), "--section", name] + (["--dry-run"] if dry_run else [])
+        # A process group of its own: a section cut short takes its servers and benches down with it.
+        section = subprocess.Popen(command, env=env, start_new_session=True)
         try:
-            code = subprocess.run(command, env=env, timeout=limits[name]).returncode
+            code = section.wait(timeout=limits[name])
             status = "ok" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
             status = f"timed out after {limits[name]} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(section.pid, signal.SIGKILL)
+            section.wait()
         summary["sections"][name] = {"status": status, "seconds": round(time.monotonic() - started, 1)}
         print(f"[gpu_checks] {name}: {status} in {summary['sections'][name]['seconds']} s", flush=True)
         write_json(out / "summary.json", summary)

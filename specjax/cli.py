@@ -68,7 +68,7 @@ def _read_prompts_and_categories(path: str, flag: str) -> tuple[list[str], list[
 # Options only some methods use. Given (a value other than the default) with none of those methods, they
 # are refused rather than silently ignored.
 _METHOD_OPTIONS = {
-    "speculative": (("drafter", "block_size", "denoise_steps", "drafter_window"),
+    "speculative": (("drafter", "block_size", "drafter_window"),
                     ("chain", "chain+refiner", "tree", "tree+refiner", "rapid+block", "auto")),
     "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
                 ("chain+refiner", "tree+refiner")),
@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
     # Every method streams (speculative ones through the serving step), except multi-pass drafting.
-    stream = not args.json and len(prompts) == 1 and model.tokenizer is not None and args.denoise_steps == 1
+    stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
     printed = [""]
 
     def show(rows: list[list[int]]) -> None:
@@ -230,7 +230,7 @@ def cmd_generate(args) -> int:
 
     result = Engine(model, parts.drafter, refiner=parts.refiner, mesh=_mesh(args)).generate(
         prompts, args.max_new_tokens, sampling, seed=args.seed, ignore_eos=args.ignore_eos, method=args.method,
-        on_tokens=show if stream else None, stream_every=16, denoise_steps=args.denoise_steps,
+        on_tokens=show if stream else None, stream_every=16,
         refine=_refine_config(args), tree=_tree_config(args),
         drafting_prompts=None if long is None or long.drafting is None else [long.drafting],
         rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), redraft=redraft, ngram=_ngram_config(args))
@@ -1023,7 +1023,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "step, by this machine's measured costs and the drafter's measured acceptance)")
     gen.add_argument("--drafter", default="default", help="drafter for speculative methods: default or a DFlash-format folder")
     gen.add_argument("--block-size", type=int, default=None, help="check the drafter was trained for this block size")
-    gen.add_argument("--denoise-steps", type=int, default=1, help="drafter passes per block (1 = DFlash single pass)")
     _add_refiner_options(gen)
     _add_tree_options(gen)
     _add_window_options(gen)

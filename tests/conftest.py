@@ -48,6 +48,20 @@ def _free_compiled_programs():
         gc.collect()
 
 
+@pytest.fixture
+def broken_rule(monkeypatch):
+    """patch(module, name, replacement): a deliberately broken rule inside the product's own slot
+    step, for negative controls. jit's caches are cleared on the way in, so the step is traced anew
+    with the broken rule, and on the way out, so no later test meets the broken trace."""
+    def patch(module, name, replacement):
+        monkeypatch.setattr(module, name, replacement)
+        jax.clear_caches()
+
+    yield patch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 TINY_SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 

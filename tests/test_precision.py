@@ -246,8 +246,6 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
     assert engine.generate(PROMPTS[1:2], 24, ignore_eos=True, method="chain").tokens == ar.tokens[1:2]
     with pytest.raises(SpecjaxError, match="query_rows"):
         engine.generate(PROMPTS, 8, method=f"chain:{width}")
-    with pytest.raises(SpecjaxError, match="denoise_steps"):
-        engine.generate(PROMPTS, 8, method="chain", denoise_steps=2)
     server = Scheduler(padded, at_compute_dtype(drafter, "bfloat16"),
                        ServeConfig(method="chain", slots=2, context_length=256, max_new_tokens=8, prompt_bucket=16),
                        compile_now=False, latency_cache=tmp_path)
@@ -258,8 +256,6 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
         server.shutdown()
     # An adaptive server's default set: under padded rows a shorter chain costs the longest one's
     # step and accepts no more, so ar, the longest chain and the tree within the rows are compiled.
-    from specjax.serve.controller import ControllerConfig
-
     assert ControllerConfig().policy_set(16) == ("ar", "chain:3", "chain:7", "chain")
     assert ControllerConfig().policy_set(16, query_rows=8) == ("ar", "chain", "tree")
     assert ControllerConfig(policies=("ar", "chain:3")).policy_set(16, query_rows=8) == ("ar", "chain:3")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.decode import refine as refine_module
-from specjax.decode import speculative
+from specjax.decode import slots
 from specjax.decode.engine import Engine
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig
@@ -184,7 +184,7 @@ def test_sampled_chain_with_refiner_matches_the_exact_target_distribution(target
         assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
 
 
-def test_verifying_against_the_unrefined_distribution_fails(target, drafter, monkeypatch):
+def test_verifying_against_the_unrefined_distribution_fails(target, drafter, broken_rule):
     """Drafting from the refined q but testing acceptance with the drafter's q biases the output;
     the same statistical test must catch it."""
     sampling = SAMPLINGS[0]
@@ -196,13 +196,10 @@ def test_verifying_against_the_unrefined_distribution_fails(target, drafter, mon
         draft, _, passes = real(*args, **kwargs)
         return draft, args[4], passes  # args[4]: the drafter's own logits
 
-    monkeypatch.setattr(speculative, "refine_drafts", broken)
+    broken_rule(slots, "refine_drafts", broken)
     refiner = _perturbed("gru", drafter, scale=1.5)
-    run = jax.jit(speculative.generate_chain.__wrapped__, static_argnames=speculative._STATIC)
-    tokens, *_ = run(target.params, drafter.params, None, jnp.asarray([prompt] * 20_000), jnp.full((20_000,), 3),
-                     jax.random.key(5), refiner.params, target_config=TINY, drafter_config=drafter.config,
-                     sampling=sampling, max_new_tokens=2, eos_token_ids=(), cache_length=64,
-                     refiner_config=refiner.config, refine=RefineConfig(2))
+    tokens = Engine(target, drafter, refiner=refiner).generate([prompt] * 20_000, 2, sampling, seed=5, ignore_eos=True,
+                                                               method="chain+refiner", refine=RefineConfig(2)).tokens
     failures = [chi_square_pvalue(np.bincount(np.asarray(tokens)[:, i], minlength=TINY.vocab_size), exact[i])
                 for i in range(2)]
     assert min(failures) < 1e-6
@@ -214,8 +211,6 @@ def test_requests_that_cannot_work_are_refused(target, drafter):
         Engine(target, drafter).generate(PROMPTS, 4, method="chain+refiner")
     with pytest.raises(SpecjaxError, match="needs the drafter"):
         Engine(target, None, refiner=refiner)
-    with pytest.raises(SpecjaxError, match="denoise_steps=1"):
-        Engine(target, drafter, refiner=refiner).generate(PROMPTS, 4, method="chain+refiner", denoise_steps=2)
     with pytest.raises(SpecjaxError, match=">= 0"):
         RefineConfig(max_passes=-1)
     with pytest.raises(SpecjaxError, match="refine slots"):

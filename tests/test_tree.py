@@ -13,9 +13,9 @@ import pytest
 from specjax.decode import tree as tree_module
 from specjax.decode.budget import LatencyModel, TreeCosts, chosen_bucket, monotone_costs
 from specjax.decode.engine import Engine
-from specjax.decode.sampling import SamplingConfig, processed_logits
-from specjax.decode.tree import (DraftTree, TreeConfig, accept_tree, ancestor_mask, best_first_tree, fixed_tree,
-                                 generate_tree)
+from specjax.decode.sampling import SamplingConfig
+from specjax.decode.tree import (DraftTree, TreeConfig, accept_tree, accept_tree_draws, ancestor_mask, best_first_tree,
+                                 fixed_tree)
 from specjax.errors import SpecjaxError
 
 from stats import chi_square_pvalue
@@ -261,39 +261,20 @@ def test_sampled_tree_matches_the_exact_target_distribution(target, drafter, sam
         assert chi_square_pvalue(counts, exact[position]) > 1e-3, f"token {position + 1}"
 
 
-def _broken_accept_tree(tree, target_logits, sampling, rng, max_depth):
-    """SpecInfer without the residual: try each child c with probability p(c); if all fail, draw the
-    correction from p itself. Children get their probability counted twice."""
-    batch, num_nodes = tree.token.shape
-    probs = jax.nn.softmax(processed_logits(target_logits, sampling), axis=-1)  # [B, N, V]
-    child_p = jnp.take_along_axis(probs, tree.token[:, None, :].repeat(num_nodes, 1), axis=2)  # [B, v, c]
-    node = jnp.arange(num_nodes)
-    is_child = (tree.parent[:, None, :] == node[None, :, None]) & tree.valid[:, None, :]
-    u_rng, y_rng = jax.random.split(rng)
-    tried = is_child & (jax.random.uniform(u_rng, child_p.shape) < child_p)
-    next_node = jnp.where(jnp.any(tried, -1), jnp.argmax(tried, -1), -1)
-    drawn = jax.random.categorical(y_rng, jnp.log(probs), axis=-1)
-    current = jnp.zeros((batch,), jnp.int32)
-    accepted = jnp.zeros((batch,), jnp.int32)
-    path = [current]
-    for _ in range(max_depth):
-        step = jnp.take_along_axis(next_node, current[:, None], 1)[:, 0]
-        current = jnp.where(step >= 0, step, current).astype(jnp.int32)
-        accepted = accepted + (step >= 0)
-        path.append(current)
-    return accepted, jnp.take_along_axis(drawn, current[:, None], 1)[:, 0].astype(jnp.int32), jnp.stack(path, 1)
+def _broken_accept_tree_draws(tree, drawn, max_depth):
+    """The root's first child is taken as if the target had drawn it: a draft accepted unverified."""
+    return accept_tree_draws(tree, drawn.at[:, 0].set(tree.token[:, 1]), max_depth)
 
 
-def test_a_broken_tree_rule_fails_the_same_test(target, drafter, monkeypatch):
+def test_a_broken_tree_rule_fails_the_same_test(target, drafter, broken_rule):
+    """The tree acceptance rule broken inside the slot step that every tree runs on."""
     sampling = SAMPLINGS[0]
     exact = _exact_marginals(target.params, np.asarray([1, 5, 2]), sampling, depth=2)
-    monkeypatch.setattr(tree_module, "accept_tree", _broken_accept_tree)
-    broken = jax.jit(generate_tree.__wrapped__, static_argnames=tree_module._STATIC)
-    costs = TreeCosts(jnp.asarray([1.0, 6.0]), jnp.asarray([0.01, 0.02]), jnp.float32(0.01))
-    out = broken(target.params, drafter.params, None, jnp.asarray([[1, 5, 2]] * 20_000), jnp.full((20_000,), 3),
-                 jax.random.key(5), costs, target_config=TINY, drafter_config=drafter.config, sampling=sampling,
-                 max_new_tokens=2, eos_token_ids=(), cache_length=64, tree=TreeConfig(budget=6))
-    counts = np.bincount(np.asarray(out.tokens)[:, 1], minlength=TINY.vocab_size)
+    broken_rule(tree_module, "accept_tree_draws", _broken_accept_tree_draws)
+    out = Engine(target, drafter, latency_cache=False).generate([[1, 5, 2]] * 20_000, 2, sampling, seed=5,
+                                                                ignore_eos=True, method="tree",
+                                                                tree=TreeConfig(budget=6))
+    counts = np.bincount(np.asarray(out.tokens)[:, 1], minlength=TINY.vocab_size)  # the prefill draws token 0
     assert chi_square_pvalue(counts, exact[1]) < 1e-6
 
 
@@ -301,8 +282,6 @@ def test_tree_methods_check_their_inputs(target, drafter):
     engine = Engine(target, drafter, latency_cache=False)
     with pytest.raises(SpecjaxError, match="refiner"):
         engine.generate(PROMPTS, 8, method="tree+refiner")
-    with pytest.raises(SpecjaxError, match="denoise"):
-        engine.generate(PROMPTS, 8, method="tree", denoise_steps=2)
     with pytest.raises(SpecjaxError, match="drafter"):
         Engine(target).generate(PROMPTS, 8, method="tree")
 

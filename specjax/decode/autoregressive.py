@@ -1,4 +1,6 @@
-"""Autoregressive decoding: one jitted prefill + `lax.while_loop`, no host round trip per token."""
+"""The prefill every method starts with, and a bare AR loop (`start_autoregressive` /
+`continue_autoregressive`) kept for experiments/ring_decode_bench.py, which compares KV layouts the
+Engine does not expose. Decoding itself runs on the slot step (decode/slots.py)."""
 
 from __future__ import annotations
 
@@ -163,16 +165,3 @@ def continue_autoregressive(params, state: DecodeState, until_step, *, config: T
         )
 
     return jax.lax.while_loop(keep_going, one_token, state)
-
-
-@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length"))
-def generate_autoregressive(params, prompt_tokens, prompt_lengths, rng, *, config: TransformerConfig,
-                            sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...],
-                            cache_length: int):
-    """Prefill + decode loop as one executable. Returns (tokens [B, N], num_generated [B])."""
-    state = start_autoregressive(params, prompt_tokens, prompt_lengths, rng, config=config, sampling=sampling,
-                                 max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
-                                 cache_length=cache_length)
-    state = continue_autoregressive(params, state, max_new_tokens, config=config, sampling=sampling,
-                                    eos_token_ids=eos_token_ids)
-    return state.tokens, state.num_generated

@@ -20,9 +20,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax.decode.sampling import SamplingConfig
-from specjax.decode.refine import RefineConfig, refine_drafts
-from specjax.decode.budget import LatencyModel, median_seconds
-from specjax.decode.speculative import draft_chain, generate_chain
+from specjax.decode.refine import RefineConfig
+from specjax.decode.budget import LatencyModel
 from specjax.decode import slots as slot_api
 from specjax.decode.slots import SLOT_METHODS
 from specjax.decode.speculative import RefinerInputs
@@ -32,10 +31,8 @@ from specjax.sharding import build_state, place_params, same_on_every_process, s
 from specjax.io.dflash import LoadedDrafter, check_pair
 from specjax.io.refiner import LoadedRefiner, check_refiner
 from specjax.io.registry import LoadedModel
-from specjax.decode.context import empty_context_cache
-from specjax.models.cache import KVCache
 from specjax.models.refiner import refiner_low_rank_head
-from specjax.models.transformer import forward, head_matrix, token_embedder, with_float32_embedding
+from specjax.models.transformer import head_matrix
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.data.retrieval import Redraft
 from specjax.decode.rapid import RapidConfig
@@ -71,7 +68,6 @@ class DecodeRequestShape:
     max_new_tokens: int
     sampling: SamplingConfig
     eos_token_ids: tuple[int, ...]
-    denoise_steps: int
     refine: RefineConfig | None
     """Refinement passes for the +refiner methods; None for the other methods."""
     tree: TreeConfig | None
@@ -132,7 +128,6 @@ class Engine:
             check_refiner(refiner, drafter)
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
-        self._phase_costs: dict[DecodeRequestShape, tuple[float, float, float]] = {}  # fused chains (denoising)
         self._slot_phase_costs: dict[DecodeRequestShape, dict[str, float]] = {}
         if latency_cache is True:
             from specjax.io.registry import cache_dir
@@ -171,7 +166,7 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), seed: int = 0, ignore_eos: bool = False,
                  method: str = "ar", on_tokens: Callable[[list[list[int]]], None] | None = None,
-                 stream_every: int = 8, denoise_steps: int = 1,
+                 stream_every: int = 8,
                  refine: RefineConfig = RefineConfig(), tree: TreeConfig = TreeConfig(),
                  drafting_prompts: Sequence[Sequence[int]] | None = None,
                  rapid: RapidConfig = RapidConfig(), redraft: Redraft | None = None,
@@ -183,8 +178,7 @@ class Engine:
         can show text as it appears. Without it the whole request is one device call. Every method
         decodes on the serving step (decode/slots.py), streamed or not (streamed: `stream_every`
         AR steps or `stream_every // 2` verify steps per chunk), with per-row keys derived from
-        `seed`, so a streamed sampled output is the non-streamed call's draw. With denoise_steps > 1
-        chains run their own fused loop instead (the serving step drafts in one pass).
+        `seed`, so a streamed sampled output is the non-streamed call's draw.
         refine: refinement passes per block for the +refiner methods.
         tree: shape and budget of draft trees for the tree methods.
         drafting_prompts: for rapid, each prompt's drafting context (its retrieved chunks and the
@@ -204,22 +198,11 @@ class Engine:
         if spec.needs_refiner and self.refiner is None:
             raise SpecjaxError(f"method {method!r} needs a refiner")
         self.validate(prompts, max_new_tokens)
-        if spec.needs_drafter and not 1 <= denoise_steps <= self.drafter.config.block_size - 1:
-            raise SpecjaxError(f"denoise_steps must be in [1, {self.drafter.config.block_size - 1}], got {denoise_steps}")
-        if spec.needs_retrieval and denoise_steps != 1:
-            raise SpecjaxError(f"method {method!r} drafts in one pass; use denoise_steps=1")
-        if spec.needs_tree and denoise_steps != 1:
-            raise SpecjaxError("tree methods draft in one drafter pass; use denoise_steps=1")
-        if spec.needs_drafter and on_tokens is not None and denoise_steps != 1:
-            raise SpecjaxError("streamed speculative decoding drafts in one drafter pass; use denoise_steps=1")
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
         query_rows = self.model.config.query_rows
         if spec.needs_drafter:  # also refuses a draft limit longer than the block
             method = slot_api.method_within_query_rows(method, self.drafter.config.block_size, query_rows)
-            if denoise_steps > 1 and query_rows is not None and query_rows < self.drafter.config.block_size:
-                raise SpecjaxError(f"denoise_steps > 1 verifies the whole block of {self.drafter.config.block_size} "
-                                   f"rows, more than the target's query_rows ({query_rows}); use denoise_steps=1")
         if spec.needs_auto and query_rows is not None and self.drafter.config.block_size > query_rows:
             raise SpecjaxError(f"auto's chain verifies the drafter's whole block of {self.drafter.config.block_size} "
                                f"rows, more than the target's query_rows ({query_rows}); raise --query-rows")
@@ -260,7 +243,6 @@ class Engine:
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
             steps_per_sync=self._steps_per_sync(spec, rapid, on_tokens is not None, stream_every, redraft),
-            denoise_steps=denoise_steps if spec.needs_drafter else 1,
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
@@ -275,8 +257,6 @@ class Engine:
         tokens = slot_api.token_rows(prompts, bucket)
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
-        if spec.needs_drafter and shape.denoise_steps > 1:  # several denoising passes: the chain's own loop
-            return self._with_precision(self._generate_chain(shape, args))
         retrieval = None
         if spec.needs_retrieval:
             padded = slot_api.token_rows(drafting_prompts, drafting_bucket)
@@ -308,51 +288,6 @@ class Engine:
     def _with_precision(self, result: GenerationResult) -> GenerationResult:
         result.stats["precision"] = self.precision
         return result
-
-    def _compile_and_run(self, shape: DecodeRequestShape, decode_fn, args, statics):
-        """Run a jitted decode function, compiling it ahead of time on the first call at this shape.
-        Returns (outputs, wall seconds of the run alone, compile seconds or 0)."""
-        compile_s = 0.0
-        if shape not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[shape] = decode_fn.lower(*args, **statics).compile()
-            compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        out = jax.block_until_ready(self._compiled[shape](*args))
-        return out, time.perf_counter() - start, compile_s
-
-    def _generate_chain(self, shape: DecodeRequestShape, args) -> GenerationResult:
-        target_params, prompt_tokens, prompt_lengths, rng = args
-        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
-        refined = shape.refine is not None
-        full_args = (target_params, self.drafter.params, draft_vocab, prompt_tokens, prompt_lengths, rng,
-                     self.refiner.params if refined else None)
-        statics = dict(target_config=self.decode_config(shape), drafter_config=self.drafter.config, sampling=shape.sampling,
-                       max_new_tokens=shape.max_new_tokens, eos_token_ids=shape.eos_token_ids,
-                       cache_length=shape.cache_length, denoise_steps=shape.denoise_steps,
-                       refiner_config=self.refiner.config if refined else None,
-                       refine=shape.refine if refined else RefineConfig())
-        (tokens, num_generated, histogram, refine_passes), wall_s, compile_s = self._compile_and_run(
-            shape, generate_chain, full_args, statics)
-        tokens, num_generated, histogram = to_host((tokens, num_generated, histogram))
-        rows = [tokens[i, : num_generated[i]].tolist() for i in range(shape.batch)]
-        draft_cost, verify_cost, refine_cost = self._measure_phases(shape, full_args)
-        refine_passes = int(refine_passes)
-        stats = _speculative_stats(shape.method, num_generated, histogram, wall_s, compile_s)
-        loop_steps = stats["verify_steps"]
-        stats.update({
-            # The loop is one fused executable; the split is loop_steps x the median cost of the
-            # draft and verify passes timed alone at the same shapes.
-            "draft_s": loop_steps * draft_cost,
-            "verify_s": loop_steps * verify_cost,
-        })
-        if refined:
-            stats["refine_s"] = refine_passes * refine_cost
-            # Passes are counted per loop iteration (all rows of the batch refine together).
-            stats["refine_passes"] = refine_passes / loop_steps if loop_steps else 0.0
-        stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, shape.batch, shape.cache_length,
-                                        self._compiled[shape])
-        return GenerationResult(rows, stats)
 
     def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, retrieval=None,
                         redraft: Redraft | None = None) -> GenerationResult:
@@ -618,43 +553,6 @@ class Engine:
         self.latency_models[key] = latency
         return latency
 
-    def _measure_phases(self, shape: DecodeRequestShape, full_args, repeats: int = 5) -> tuple[float, float, float]:
-        """Median seconds of one draft pass, one verify pass and one refinement pass (0 without a
-        refiner) at this request's shapes (cached)."""
-        if shape in self._phase_costs:
-            return self._phase_costs[shape]
-        target_params, drafter_params, draft_vocab, _, prompt_lengths, _, refiner_params = full_args
-        tcfg, dcfg = self.decode_config(shape), self.drafter.config
-        batch, block = shape.batch, dcfg.block_size
-        context = empty_context_cache(dcfg, batch, shape.cache_length)
-        target_cache = KVCache.zeros(tcfg, batch, shape.cache_length)
-        last = jnp.zeros((batch,), jnp.int32)
-        verify_tokens = jnp.zeros((batch, block), jnp.int32)
-        positions = prompt_lengths[:, None] + jnp.arange(block)
-        # Params go in as arguments: closed-over arrays would be baked into the executable as constants.
-        head = jax.jit(head_matrix, static_argnums=1)(target_params, tcfg, draft_vocab)
-        draft_fn = jax.jit(lambda tp, dp, ctx, h, dv: draft_chain(tp, tcfg, dp, dcfg, last, prompt_lengths, ctx, h, dv,
-                                                                  shape.sampling, jax.random.key(0),
-                                                                  shape.denoise_steps))
-        verify_fn = jax.jit(lambda tp, cache: forward(tp, tcfg, verify_tokens, positions, cache, prompt_lengths,
-                                                      hidden_layers=dcfg.target_layer_ids))
-        draft = lambda: draft_fn(target_params, drafter_params, context, head, draft_vocab)
-        verify = lambda: verify_fn(target_params, target_cache)
-
-        refine_cost = 0.0
-        if shape.refine is not None:
-            rcfg = self.refiner.config
-            # The loop computes the low-rank head once per call, outside the per-block passes timed here.
-            low_rank = jax.jit(refiner_low_rank_head, static_argnums=1)(refiner_params, rcfg, head)
-            # So is the float32 embedding table the loop's embeddings are taken from (token_embedder).
-            cast = jax.jit(with_float32_embedding)(target_params)
-            pass_fn = jax.jit(lambda tp, rp, lr: _one_refine_pass(tp, tcfg, rp, rcfg, lr, batch, block - 1,
-                                                                  head.shape[1], shape.sampling))
-            refine_cost = median_seconds(repeats, lambda: pass_fn(cast, refiner_params, low_rank))
-        self._phase_costs[shape] = (median_seconds(repeats, draft), median_seconds(repeats, verify), refine_cost)
-        return self._phase_costs[shape]
-
-
 def _auto_stats(auto, latency: LatencyModel, block: int) -> dict:
     """What the auto method chose, and the estimates it chose by, as it ended the run."""
     seconds = [float(x) for x in policy_seconds(auto, latency.costs(), block)]  # what the step chose by
@@ -687,15 +585,3 @@ def _speculative_stats(method: str, num_generated, histogram, wall_s: float, com
         # Loop iterations: every row verifies in each one until the last row is done.
         "verify_steps": int(histogram.sum(1).max()) if steps else 0,
     }
-
-
-def _one_refine_pass(target_params, target_config, refiner_params, refiner_config, low_rank_head, batch, num_draft,
-                     vocab, sampling):
-    """Exactly one refinement pass at decode shapes, for timing."""
-    hidden_size = target_config.hidden_size
-    hidden = jnp.zeros((batch, num_draft, hidden_size), jnp.float32)
-    logits = jnp.zeros((batch, num_draft, vocab), jnp.float32)
-    embed = token_embedder(target_params, target_config)
-    return refine_drafts(refiner_params, refiner_config, RefineConfig(max_passes=1, adaptive=False), hidden, logits,
-                         jnp.zeros((batch, hidden_size)), jnp.zeros((batch, num_draft), jnp.int32), embed,
-                         low_rank_head, sampling, jax.random.key(0))

@@ -38,7 +38,7 @@ from specjax.decode.ngram import NgramConfig, propose_ngram
 from specjax.decode.rapid import RapidConfig, draft_on_retrieved
 from specjax.decode.refine import RefineConfig, refine_drafts
 from specjax.decode.sampling import SamplingConfig
-from specjax.decode.speculative import RefinerInputs, _to_full_vocabulary, commit_tokens, draft_block_states
+from specjax.decode.speculative import RefinerInputs, to_full_vocabulary, commit_tokens, draft_block_states
 from specjax.decode.tree import TreeConfig, build_tree, draft_marginals, verify_tree
 from specjax.decode.verify import accept_greedy, accept_sampled, accept_transfer, transfer_target
 from specjax.errors import SpecjaxError, check_at_least
@@ -641,7 +641,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
     if refined:
         logits, draft_index, passes = _refine(parts, state, statics, hidden, logits, draft_index, draft_keys, sampled)
     logits, draft_index = logits[:, : block - 1], draft_index[:, : block - 1]
-    draft, _ = _to_full_vocabulary(draft_index, None, parts.draft_vocab, tcfg.vocab_size)
+    draft, _ = to_full_vocabulary(draft_index, None, parts.draft_vocab, tcfg.vocab_size)
 
     verify_tokens = jnp.concatenate([state.last_token[:, None], draft], axis=1)  # [S, Bk]
     positions = state.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)
@@ -652,7 +652,7 @@ def _chain_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend
         # q is recomputed from the logits the drafts were drawn from (the refined ones with a
         # refiner), so it is their q.
         q = jax.nn.softmax(row_processed_logits(logits, state.sampling), axis=-1)
-        _, q = _to_full_vocabulary(draft_index, q, parts.draft_vocab, tcfg.vocab_size)
+        _, q = to_full_vocabulary(draft_index, q, parts.draft_vocab, tcfg.vocab_size)
         p = jax.nn.softmax(row_processed_logits(out.logits, state.sampling), axis=-1)
         one_row = lambda d, qq, pp, k: accept_sampled(d[None], qq[None], pp[None], jax.random.wrap_key_data(k))  # noqa
         n, next_token = jax.vmap(one_row)(draft, q, p, accept_keys)

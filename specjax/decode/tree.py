@@ -30,18 +30,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decode.budget import (LatencyModel, TreeCosts, chosen_bucket, interleaved_min_seconds,
-                                  median_seconds, monotone_costs)
-from specjax.decode.refine import RefineConfig, refine_drafts
+from specjax.decode.budget import LatencyModel, interleaved_min_seconds, median_seconds, monotone_costs
+from specjax.decode.refine import refine_drafts
 from specjax.decode.sampling import SamplingConfig, processed_logits
-from specjax.decode.context import append_context, empty_context_cache
-from specjax.decode.speculative import (ChainState, RefinerInputs, commit_tokens,
-                                        draft_block_states, start_speculation)
+from specjax.decode.context import empty_context_cache
+from specjax.decode.speculative import RefinerInputs, draft_block_states
 from specjax.errors import SpecjaxError
 from specjax.models.cache import KVCache, ring_index, write_ring
 from specjax.models.config import TransformerConfig
 from specjax.models.drafter import DrafterConfig
-from specjax.models.refiner import RefinerConfig, refiner_low_rank_head
 from specjax.models.transformer import apply_head, forward, head_matrix, token_embedder
 
 TREE_SHAPES = ("best-first", "fixed")
@@ -293,32 +290,9 @@ def accept_tree_draws(tree: DraftTree, drawn, max_depth: int):
 # The decode loop
 # ---------------------------------------------------------------------------------------------
 
-@struct.dataclass
-class TreeState(ChainState):
-    """What the tree loop carries between verify steps: the chain's state (`last_token` is the next
-    tree's root; `accepted_histogram[b, n]` counts steps that reached depth n) plus tree sizes."""
-
-    bucket_histogram: jax.Array
-    """[M] int32: verify steps run at each bucket size."""
-    chosen_nodes: jax.Array
-    """[] int32: node counts the budget rule chose (one per step for the whole batch), summed."""
-
-
-@struct.dataclass
-class TreeOutput:
-    tokens: jax.Array
-    """[B, N] int32."""
-    num_generated: jax.Array
-    """[B] int32."""
-    accepted_histogram: jax.Array
-    """[B, block] int32."""
-    bucket_histogram: jax.Array
-    """[M] int32."""
-    chosen_nodes: jax.Array
-    """[] int32, summed over steps."""
-    refine_passes: jax.Array
-    """[] int32."""
-
+# ---------------------------------------------------------------------------------------------
+# The pieces the slot step (decode/slots.py) runs
+# ---------------------------------------------------------------------------------------------
 
 def draft_marginals(target_params, target_config: TransformerConfig, drafter_params, drafter_config: DrafterConfig,
                     last_token, lengths, context_cache: KVCache, head, draft_vocab, refiner: RefinerInputs | None,
@@ -382,109 +356,6 @@ def verify_tree(target_params, target_config: TransformerConfig, tree: DraftTree
     path_features = jnp.take_along_axis(out.hidden, path[:, :, None, None], axis=1)  # [B, K+1, taps, d]
     return n, next_token, accepted_drafts, cache, path_features
 
-
-_STATIC = ("target_config", "drafter_config", "sampling", "max_new_tokens", "eos_token_ids", "cache_length", "tree",
-           "refiner_config", "refine")
-
-
-@partial(jax.jit, static_argnames=_STATIC)
-def generate_tree(target_params, drafter_params, draft_vocab, prompt_tokens, prompt_lengths, rng, costs: TreeCosts,
-                  refiner_params=None, *, target_config: TransformerConfig, drafter_config: DrafterConfig,
-                  sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: tuple[int, ...], cache_length: int,
-                  tree: TreeConfig = TreeConfig(), refiner_config: RefinerConfig | None = None,
-                  refine: RefineConfig = RefineConfig()) -> TreeOutput:
-    """Speculative generation with draft trees, one jitted while_loop.
-
-    costs: the latency model (decode/budget.py) the size rule uses when tree.auto; a dynamic
-    argument, so refitting it does not recompile. cache_length must hold prompt + max_new_tokens +
-    max(block, largest bucket) slots. With refiner_params/refiner_config the tree is built from the
-    refined marginals.
-    """
-    if (refiner_params is None) != (refiner_config is None):
-        raise SpecjaxError("give both refiner_params and refiner_config, or neither")
-    batch = prompt_tokens.shape[0]
-    block = drafter_config.block_size
-    num_draft = block - 1
-    buckets = tree.node_buckets(num_draft)
-    max_nodes = buckets[-1]
-    target_config.check_ring_step(max(max_nodes, block), "tree verification")
-    taps = drafter_config.target_layer_ids
-    eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
-    rng, first_rng = jax.random.split(rng)
-    first, target_cache, context_cache = start_speculation(target_params, target_config, drafter_params, drafter_config,
-                                                           prompt_tokens, prompt_lengths, cache_length, sampling,
-                                                           first_rng)
-    head = head_matrix(target_params, target_config, draft_vocab)  # [d, V']
-    refiner = None
-    if refiner_config is not None:
-        refiner = RefinerInputs(refiner_params, refiner_low_rank_head(refiner_params, refiner_config, head),
-                                refiner_config, refine)
-    state = TreeState(
-        step=jnp.int32(0),
-        tokens=jnp.zeros((batch, max_new_tokens + block), jnp.int32).at[:, 0].set(first),
-        num_generated=jnp.ones((batch,), jnp.int32),
-        last_token=first,
-        lengths=prompt_lengths.astype(jnp.int32),
-        done=jnp.isin(first, eos) | (max_new_tokens <= 1),
-        target_cache=target_cache,
-        context_cache=context_cache,
-        rng=rng,
-        accepted_histogram=jnp.zeros((batch, block), jnp.int32),
-        bucket_histogram=jnp.zeros((len(buckets),), jnp.int32),
-        chosen_nodes=jnp.int32(0),
-        refine_passes=jnp.int32(0),
-    )
-
-    def verify_at(size):
-        return lambda s, nodes, rng: verify_tree(target_params, target_config, nodes.take(size), s.lengths,
-                                                 s.target_cache, taps, sampling, rng, num_draft)
-
-    def one_step(s: TreeState):
-        rng, accept_rng = jax.random.split(s.rng)
-        live = ~s.done
-        logits, passes = draft_marginals(target_params, target_config, drafter_params, drafter_config, s.last_token,
-                                         s.lengths, s.context_cache, head, draft_vocab, refiner)
-        nodes = build_tree(s.last_token, logits, draft_vocab, tree, sampling, max_nodes)
-        if tree.auto:
-            bucket, chosen = chosen_bucket(nodes.log_prob, nodes.valid, live, costs, buckets)  # [], []
-        else:
-            chosen = jnp.int32(max_nodes)
-            bucket = jnp.int32(0)
-        if len(buckets) == 1:
-            n, next_token, accepted, cache, features = verify_at(buckets[0])(s, nodes, accept_rng)
-        else:
-            n, next_token, accepted, cache, features = jax.lax.switch(
-                bucket, [verify_at(size) for size in buckets], s, nodes, accept_rng)
-        tokens, num_generated, done, advance = commit_tokens(s.tokens, s.num_generated, s.done, accepted, n,
-                                                             next_token, eos, max_new_tokens)
-        path_positions = s.lengths[:, None] + jnp.arange(block, dtype=jnp.int32)  # [B, K+1]
-        context_cache = append_context(drafter_params, drafter_config, s.context_cache, features, path_positions,
-                                       s.lengths, s.lengths + advance)
-        slot = jnp.arange(block, dtype=jnp.int32)[None, :]
-        return TreeState(
-            step=s.step + 1,
-            tokens=tokens,
-            num_generated=num_generated,
-            last_token=next_token,
-            lengths=s.lengths + advance,
-            done=done,
-            target_cache=cache,
-            context_cache=context_cache,
-            rng=rng,
-            accepted_histogram=s.accepted_histogram + live[:, None] * (slot == n[:, None]),
-            bucket_histogram=s.bucket_histogram.at[bucket].add(1),
-            chosen_nodes=s.chosen_nodes + chosen,
-            refine_passes=s.refine_passes + passes,
-        )
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), one_step, state)
-    return TreeOutput(final.tokens[:, :max_new_tokens], final.num_generated, final.accepted_histogram,
-                      final.bucket_histogram, final.chosen_nodes, final.refine_passes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring the costs the budget rule weighs
-# ---------------------------------------------------------------------------------------------
 
 def tree_latency_key(model_name: str, target_config: TransformerConfig, batch: int, cache_length: int,
                      tree: TreeConfig, block: int, refined: bool) -> str:
