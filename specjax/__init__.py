@@ -1,0 +1,54 @@
+"""specjax: speculative decoding with block-diffusion drafters, in JAX.
+
+    import specjax
+    llm = specjax.LLM("smollm2")
+    [out] = llm.generate("Why is the sky blue?", method="chain")
+
+The public API (each name is imported on first use, so `import specjax` stays cheap):
+
+- decoding: `LLM` (generate, stream, bench, server), `Completion`, `methods()`, and the configs
+  `SamplingConfig`, `TreeConfig`, `RefineConfig`, `NgramConfig`, `AutoConfig`;
+- serving without HTTP: `Scheduler`, `ServeConfig`, `ControllerConfig`, `Request`;
+- training: `train_drafter(model, out_dir, DistillRecipe(...))`, `train_refiner(model, drafter,
+  out_dir, RefinerRecipe(...))`, `train_compressor(model, drafter, out_dir, CompressorRecipe(...))`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "specjax.api", "Completion": "specjax.api", "BenchReport": "specjax.api", "methods": "specjax.api",
+    "SamplingConfig": "specjax.decode.sampling", "TreeConfig": "specjax.decode.tree",
+    "RefineConfig": "specjax.decode.refine", "NgramConfig": "specjax.decode.ngram", "AutoConfig": "specjax.decode.auto",
+    "Scheduler": "specjax.serve.scheduler", "ServeConfig": "specjax.serve.scheduler",
+    "Request": "specjax.serve.scheduler", "ControllerConfig": "specjax.serve.controller",
+    "DistillRecipe": "specjax.train.recipe", "RefinerRecipe": "specjax.train.refiner",
+    "CompressorRecipe": "specjax.train.compressor", "SpecjaxError": "specjax.errors",
+}
+# Public name -> (module, name there), for the recipes whose functions carry longer names.
+_RENAMED = {
+    "train_drafter": ("specjax.train.recipe", "train_drafter_recipe"),
+    "train_refiner": ("specjax.train.refiner", "train_refiner_recipe"),
+    "train_compressor": ("specjax.train.compressor", "train_compressor_recipe"),
+}
+
+__all__ = sorted([*_EXPORTS, *_RENAMED])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _RENAMED:
+        module, attribute = _RENAMED[name]
+        value = getattr(importlib.import_module(module), attribute)
+    else:
+        raise AttributeError(f"module 'specjax' has no attribute {name!r}")
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

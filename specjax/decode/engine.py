@@ -582,6 +582,7 @@ def _speculative_stats(method: str, num_generated, histogram, wall_s: float, com
         "tau": tau,
         "per_position_acceptance": (reached[1:] / steps).tolist() if steps else [],
         "accepted_length_histogram": histogram.sum(0).tolist(),
+        "row_accepted_length_histograms": histogram.tolist(),  # [B, block]: each request's own
         # Loop iterations: every row verifies in each one until the last row is done.
         "verify_steps": int(histogram.sum(1).max()) if steps else 0,
     }

@@ -1,0 +1,234 @@
+"""specjax's front door: load a target with its drafter, then generate, stream, benchmark or serve.
+
+    import specjax
+
+    llm = specjax.LLM("smollm2")                      # the committed drafter (and refiner) come with it
+    [out] = llm.generate("Why is the sky blue?", method="chain", max_tokens=64)
+    print(out.text, out.metrics["tau"])
+    for piece in llm.stream("Tell me a story.", method="tree"):
+        print(piece, end="")
+    print(llm.bench(methods=("ar", "chain", "tree")))  # tokens/s, speedup and tau, measured here
+
+Prompts are text (through the chat template when the model has one, unless chat=False), chat messages
+([{"role": "user", "content": ...}]) or token ids. Every method is lossless: greedy output is the
+target's greedy output token for token, and sampled output follows the target's distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from specjax.decode.sampling import SamplingConfig
+from specjax.errors import SpecjaxError
+
+Message = dict
+Prompt = Union[str, Sequence[Message], Sequence[int]]
+"""Text, one conversation (a list of {"role", "content"} messages) or token ids."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's result."""
+
+    prompt_token_ids: list[int]
+    """The prompt as the target read it (after the chat template)."""
+    token_ids: list[int]
+    """The generated tokens."""
+    text: str
+    """The generated tokens decoded ("" for a target without a tokenizer)."""
+    finish_reason: str
+    """"stop" (an end-of-sequence token) or "length" (max_tokens reached)."""
+    metrics: dict
+    """This request's speculative metrics: method, tau (tokens committed per verify step), the
+    accepted-length histogram of its steps, its new tokens; and under "batch" the call's tokens/s,
+    wall and compile seconds and the target's precision."""
+
+
+class BenchReport(dict):
+    """decode/bench.py's report (per method: tokens/s, speedup against AR, tau, identical to AR);
+    printed, it is the table `specjax bench` prints."""
+
+    def __str__(self) -> str:
+        from specjax.decode.bench import format_table
+
+        return format_table(self)
+
+
+class LLM:
+    """A target model, its drafter (and refiner), and one Engine that keeps the compiled programs."""
+
+    def __init__(self, model: str = "smollm2", *, drafter: str | None = "default", refiner: str | None = "default",
+                 dtype: str = "auto", kv_dtype: str = "auto", query_rows: str | int = "auto"):
+        """model: a known name (`specjax models`), an HF folder or a .gguf file.
+        drafter: "default" (the committed drafter of a known model), a DFlash-format folder, or None
+        (AR and ngram only). refiner: "default", a refiner folder, or None (for the +refiner methods).
+        dtype, kv_dtype, query_rows: as the CLI's --dtype, --kv-dtype and --query-rows ("auto":
+        float32 on CPUs without native bf16, and bf16 steps padded so speculation stays exact)."""
+        from specjax.decode.engine import Engine
+        from specjax.io.registry import (DEFAULT_DRAFTERS, DEFAULT_REFINERS, at_compute_dtype, compute_dtype,
+                                         load_model, resolve_drafter, resolve_refiner, with_kv_dtype,
+                                         with_query_rows)
+        from specjax.io.dflash import check_pair
+        from specjax.io.refiner import check_refiner
+
+        self.model = with_query_rows(with_kv_dtype(load_model(model, compute_dtype(dtype)), kv_dtype), query_rows)
+        self.drafter = self.refiner = None
+        if drafter == "default" and model not in DEFAULT_DRAFTERS:
+            drafter = None  # no committed drafter for this model: AR and ngram until one is given
+        if drafter is not None:
+            self.drafter = resolve_drafter(drafter, model)
+            check_pair(self.drafter, self.model.config)
+            self.drafter = at_compute_dtype(self.drafter, self.model.config.dtype)
+        if refiner == "default" and not (model in DEFAULT_REFINERS and (DEFAULT_REFINERS[model] / "config.json").exists()):
+            refiner = None
+        if refiner is not None and self.drafter is not None:
+            self.refiner = resolve_refiner(refiner, model)
+            check_refiner(self.refiner, self.drafter)
+        self.engine = Engine(self.model, self.drafter, refiner=self.refiner)
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def __repr__(self) -> str:
+        drafter = "no drafter" if self.drafter is None else \
+            f"drafter block {self.drafter.config.block_size}, {self.drafter.config.num_layers} layer(s)"
+        return f"LLM({self.model.name!r}, {self.model.config.dtype}, {drafter}{', refiner' if self.refiner else ''})"
+
+    # ---- prompts ----
+
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """A prompt's token ids: text through the chat template (chat=None: when the tokenizer has
+        one; False: as is), chat messages through the template, token ids as given."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpecjaxError(f"{self.model.name} has no tokenizer: give token ids")
+            if chat is None:
+                chat = bool(self.tokenizer.chat_template)
+            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            if self.tokenizer is None or not self.tokenizer.chat_template:
+                raise SpecjaxError(f"{self.model.name} has no chat template: give text or token ids")
+            for m in items:
+                if not isinstance(m.get("content"), str) or m.get("role") not in ("system", "user", "assistant"):
+                    raise SpecjaxError(f"a chat message is {{'role': 'system'|'user'|'assistant', 'content': str}}, "
+                                       f"got {m!r}")
+            return self.tokenizer.encode_chat(items)
+        if items and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+            return [int(t) for t in items]
+        raise SpecjaxError(f"a prompt is text, a list of chat messages or a list of token ids, got {prompt!r:.80}")
+
+    def _batch(self, prompts, chat: bool | None) -> list[list[int]]:
+        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
+                                              not isinstance(prompts[0], (str, list, tuple)))
+        return [self.encode(p, chat) for p in ([prompts] if single else list(prompts))]
+
+    def _method(self, method: str | None) -> str:
+        if method is not None:
+            return method
+        return "ar" if self.drafter is None else "auto"
+
+    # ---- decoding ----
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], max_tokens: int = 128, *, method: str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool | None = None,
+                 ignore_eos: bool = False, **options) -> list[Completion]:
+        """Decode one prompt or a batch, all rows together on the serving step.
+
+        method: a registry method (`specjax.methods()`): ar, chain, chain:K, chain+refiner, tree,
+        tree+refiner, ngram, auto, ... (default: auto with a drafter, which picks AR, chain or tree
+        each step by this machine's measured costs; ar without one).
+        options: the method's config, passed to Engine.generate: tree=TreeConfig(...),
+        refine=RefineConfig(...), ngram=NgramConfig(...), auto=AutoConfig(...)."""
+        ids = self._batch(prompts, chat)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        result = self.engine.generate(ids, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos,
+                                      method=self._method(method), **options)
+        return self._completions(ids, result)
+
+    def stream(self, prompt: Prompt, max_tokens: int = 128, *, method: str | None = None, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool | None = None, every: int = 8,
+               ignore_eos: bool = False, **options) -> Iterator[str]:
+        """The text of one prompt's answer as it is decoded, a piece after about every `every`
+        tokens (one host sync per piece, never per token). The pieces joined are generate's text."""
+        [ids] = self._batch(prompt, chat)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+
+        def decode():
+            try:
+                self.engine.generate([ids], max_tokens, sampling, seed=seed, ignore_eos=ignore_eos,
+                                     method=self._method(method),
+                                     on_tokens=lambda rows: pieces.put(list(rows[0])), stream_every=every, **options)
+                pieces.put(done)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                pieces.put(exc)
+
+        thread = threading.Thread(target=decode, name="specjax-stream", daemon=True)
+        thread.start()
+        shown = ""
+        while (item := pieces.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            text = self.tokenizer.decode(item) if self.tokenizer is not None else ""
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown):]
+                shown = text
+        thread.join()
+
+    def bench(self, prompts: Sequence[Prompt] | None = None, methods: Sequence[str] = ("ar", "chain", "tree"),
+              max_tokens: int = 64, *, temperature: float = 0.0, seed: int = 0, repeats: int = 1, chat: bool | None = None,
+              progress: bool = True, **options) -> BenchReport:
+        """Every method on the same prompts (default: the built-in held-out chat prompts), measured
+        side by side on this machine: tokens/s, speedup against AR, tau, and whether the output is
+        AR's. options: per-method configs keyed by method, as decode/bench.py's run_bench takes."""
+        from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
+        from specjax.decode.bench import run_bench
+
+        ids = self._batch(list(HELDOUT_CHAT_PROMPTS) if prompts is None else prompts, chat)
+        report = run_bench(self.engine, ids, list(methods), max_tokens,
+                           SamplingConfig(temperature=temperature), seed=seed, repeats=repeats, progress=progress,
+                           options=options or None)
+        return BenchReport(report)
+
+    def server(self, slots: int = 8, method: str = "adaptive", **config):
+        """A continuous-batching Scheduler over this model (what `specjax serve` runs, without HTTP):
+        `handle = server.submit(specjax.Request(ids, max_tokens=64))`, then `handle.result()` or
+        iterate `handle` for its pieces. config: ServeConfig fields. Call `server.shutdown()` after."""
+        from specjax.serve.scheduler import Scheduler, ServeConfig
+
+        return Scheduler(self.model, self.drafter, ServeConfig(method=method, slots=slots, **config),
+                         refiner=self.refiner)
+
+    def _completions(self, ids: list[list[int]], result) -> list[Completion]:
+        stats = result.stats
+        eos = set(self.model.eos_token_ids)
+        batch = {k: stats[k] for k in ("tokens_per_s", "wall_s", "compile_s", "new_tokens", "precision") if k in stats}
+        rows = stats.get("row_accepted_length_histograms")
+        out = []
+        for i, (prompt, tokens) in enumerate(zip(ids, result.tokens)):
+            metrics: dict[str, Any] = {"method": stats["method"], "new_tokens": len(tokens), "batch": batch}
+            if rows is not None:
+                histogram = np.asarray(rows[i])
+                steps = int(histogram.sum())
+                metrics["accepted_length_histogram"] = histogram.tolist()
+                metrics["tau"] = float((histogram * np.arange(1, len(histogram) + 1)).sum() / steps) if steps else None
+            text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+            out.append(Completion(prompt, list(tokens), text, "stop" if tokens and tokens[-1] in eos else "length",
+                                  metrics))
+        return out
+
+
+def methods() -> tuple[str, ...]:
+    """Every decoding method in the registry (decode/slots.py); chain:K limits a chain to K drafts."""
+    from specjax.decode.slots import SLOT_METHODS
+
+    return tuple(SLOT_METHODS)

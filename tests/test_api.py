@@ -1,0 +1,87 @@
+"""The public Python API (specjax/__init__.py, specjax/api.py): a notebook's few lines."""
+
+from __future__ import annotations
+
+import pytest
+
+import specjax
+from specjax.errors import SpecjaxError
+
+from test_cli import tiny_with_tokenizer_and_drafter  # noqa: F401 - a fixture
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_with_tokenizer_and_drafter):  # noqa: F811
+    root = tiny_with_tokenizer_and_drafter
+    return specjax.LLM(str(root / "model"), drafter=str(root / "drafter"), refiner=str(root / "refiner"))
+
+
+def test_every_public_name_resolves_and_unknown_ones_fail():
+    for name in specjax.__all__:
+        assert getattr(specjax, name) is not None, name
+    assert specjax.train_drafter is __import__("specjax.train.recipe", fromlist=["x"]).train_drafter_recipe
+    assert "LLM" in dir(specjax)
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        specjax.Engine  # noqa: B018 - internal, not exported
+    assert set(specjax.methods()) >= {"ar", "chain", "tree", "ngram", "auto"}
+
+
+def test_generate_takes_text_messages_and_ids_and_speculation_returns_ars_tokens(llm):
+    prompts = ["the cat sat", "the dog ran to"]
+    ar = llm.generate(prompts, 12, method="ar", ignore_eos=True)
+    chain = llm.generate(prompts, 12, method="chain", ignore_eos=True)
+    assert [c.token_ids for c in chain] == [a.token_ids for a in ar]
+    for completion in chain:
+        assert len(completion.token_ids) == 12 and completion.finish_reason == "length"
+        assert completion.text == llm.tokenizer.decode(completion.token_ids)
+        histogram = completion.metrics["accepted_length_histogram"]
+        steps = sum(histogram)
+        # Each step commits its accepted drafts plus one; the prefill commits the first token.
+        assert sum((n + 1) * h for n, h in enumerate(histogram)) == 11
+        assert completion.metrics["tau"] == pytest.approx(11 / steps)
+        assert completion.metrics["method"] == "chain" and completion.metrics["batch"]["new_tokens"] == 24
+    assert ar[0].prompt_token_ids == llm.tokenizer.encode("the cat sat")  # no chat template: the text as is
+    with pytest.raises(SpecjaxError, match="no chat template"):
+        llm.generate([{"role": "user", "content": "the cat sat"}], 4)
+    [ids] = llm.generate(ar[0].prompt_token_ids, 12, method="ar", ignore_eos=True)
+    assert ids.token_ids == ar[0].token_ids
+    assert "tau" not in ar[0].metrics  # AR has no acceptance to report
+
+
+def test_bad_prompts_get_clear_errors(llm, monkeypatch):
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert llm.encode([{"role": "user", "content": "the cat"}]) == llm.tokenizer.encode("the cat")
+    with pytest.raises(SpecjaxError, match="role"):
+        llm.generate([{"role": "robot", "content": "hi"}], 4)
+    with pytest.raises(SpecjaxError, match="a prompt is text"):
+        llm.generate([3.5, 2.0], 4)
+    with pytest.raises(SpecjaxError, match="unknown method"):
+        llm.generate("the cat", 4, method="beam")
+
+
+def test_stream_joins_to_generates_text(llm):
+    [whole] = llm.generate("the cat sat", 16, method="chain", ignore_eos=True)
+    pieces = list(llm.stream("the cat sat", 16, method="chain", every=4, ignore_eos=True))
+    assert len(pieces) > 1 and "".join(pieces) == whole.text
+
+
+def test_bench_and_server(llm):
+    report = llm.bench(["the cat sat"], methods=("ar", "chain"), max_tokens=8, progress=False)
+    assert report["methods"]["chain"]["identical_to_ar"] is True
+    assert "chain" in str(report) and "tokens/s" in str(report)
+    server = llm.server(slots=2, method="chain", context_length=128, max_new_tokens=16)
+    try:
+        [expected] = llm.generate("the dog ran to", 8, method="ar")
+        handle = server.submit(specjax.Request(tuple(expected.prompt_token_ids), max_tokens=8))
+        assert handle.result(timeout=300).token_ids == expected.token_ids
+    finally:
+        server.shutdown()
+
+
+def test_without_a_drafter_the_default_method_is_ar(tiny_with_tokenizer_and_drafter):  # noqa: F811
+    plain = specjax.LLM(str(tiny_with_tokenizer_and_drafter / "model"), drafter=None)
+    assert plain.drafter is None and "no drafter" in repr(plain)
+    [out] = plain.generate("the cat sat", 4)
+    assert out.metrics["method"] == "ar"
+    with pytest.raises(SpecjaxError, match="needs a drafter"):
+        plain.generate("the cat sat", 4, method="chain")
