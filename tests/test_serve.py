@@ -546,14 +546,62 @@ def test_the_work_model_counts_every_row_and_the_peaks_are_cached(target, drafte
     (json.dumps({"prompt": [1, 2], "top_p": 0}), "top_p"),
     (json.dumps({"prompt": ""}), "empty"),
     (json.dumps({"prompt": [1] * 45, "max_tokens": 20}), "exceeds the context"),
+    (json.dumps({"prompt": [1, 2], "logprobs": 2}), "'logprobs' is not supported"),
+    (json.dumps({"prompt": [1, 2], "n": 0}), "'n' must be in"),
+    (json.dumps({"prompt": [1, 2], "n": 2, "stream": True}), "streaming returns one choice"),
+    (json.dumps({"prompt": ["w1 w2"] * 9, "n": 2}), "at most 16"),
+    (json.dumps({"messages": [{"role": "robot", "content": "w1"}]}), "role must be one of"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+     "only text parts"),
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}), "must be a string or a list of text parts"),
 ])
 def test_bad_http_requests_get_400_with_a_message(server, body, message):
     import httpx
 
     url, _, _ = server
-    response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    path = "chat/completions" if "messages" in body else "completions"
+    response = httpx.post(f"{url}/v1/{path}", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert message in response.json()["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read(server):
+    import httpx
+
+    from specjax.serve.http import body_limit
+
+    url, scheduler, _ = server
+    limit = body_limit(scheduler.config.context_length)
+    huge = json.dumps({"prompt": "w1 " * (limit // 3 + 10)})
+    response = httpx.post(f"{url}/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and f"{limit:,}" in response.json()["error"]["message"]
+
+
+def test_text_parts_n_choices_and_batched_prompts_as_the_openai_client_sends_them(server):
+    url, _, _ = server
+    client = _client(url)
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w2\nw7"}],
+                                           max_tokens=8, temperature=0)
+    parts = client.chat.completions.create(
+        model="tiny", max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "w5 w2"}, {"type": "text", "text": "w7"}]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    developer = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+        {"role": "developer", "content": "w3"}, {"role": "user", "content": "w5 w2\nw7"}])
+    assert developer.choices[0].message.content  # "developer" is OpenAI's newer "system"
+    two = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w2"}], max_tokens=8,
+                                         temperature=1.0, seed=3, n=2)
+    one = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 w2"}], max_tokens=8,
+                                         temperature=1.0, seed=3)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].message.content == one.choices[0].message.content  # choice j samples with seed + j
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    batch = client.completions.create(model="tiny", prompt=["w1 w2", "w3 w4 w5"], max_tokens=6, temperature=0)
+    singles = [client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
+               for p in ("w1 w2", "w3 w4 w5")]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
 def test_a_full_queue_answers_429_with_retry_after(target, monkeypatch):

@@ -136,10 +136,50 @@ def _retrieval_config(scheduler: Scheduler, body: dict) -> RetrievalConfig:
         raise BadRequest(f"bad retrieval settings: {exc}") from None
 
 
-def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request, bool, dict | None]:
-    """An OpenAI request body -> (Request, stream, what retrieval did for a document request or None);
-    raises BadRequest with a message for the client. A document is tokenized, indexed (or found in
-    the index cache) and searched here, so call it off the event loop."""
+# OpenAI's "developer" messages are the newer name for "system" ones.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_CHOICES = 16
+"""Most choices one request may ask for (n times the prompts of a batched completion)."""
+
+
+def body_limit(context_length: int) -> int:
+    """Most bytes a request body may hold: 64 per context position (a token is rarely over 16 bytes
+    of text, and JSON escaping can quadruple that), at least 1 MiB. Checked before any tokenizing, so
+    a huge body costs the server nothing."""
+    return max(1 << 20, 64 * context_length)
+
+
+def _messages(body: dict) -> list[dict]:
+    """'messages' as {role, content} with string content: text parts ([{"type": "text", "text": ...}],
+    as many clients send) joined by newlines; roles checked."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+        if isinstance(content, list):
+            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+            if kinds - {"text"}:
+                raise BadRequest(f"messages[{i}].content: only text parts are supported, got "
+                                 f"{', '.join(sorted(map(str, kinds - {'text'})))}")
+            if not all(isinstance(part.get("text"), str) for part in content):
+                raise BadRequest(f"messages[{i}].content: every text part needs a string 'text'")
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {content!r:.60}")
+        out.append({"role": _ROLES[role], "content": content})
+    return out
+
+
+def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[list[Request], bool, dict | None]:
+    """An OpenAI request body -> (one Request per choice, stream, what retrieval did for a document
+    request or None); raises BadRequest with a message for the client. A batched completion (a list
+    of prompt strings) and n > 1 give several choices, prompt-major as OpenAI orders them. A
+    document is tokenized, indexed (or found in the index cache) and searched here, so call it off
+    the event loop."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -153,32 +193,39 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
         raise BadRequest("'retrieval' applies to a request with a 'document'")
     if document is not None and tokenizer is None:
         raise BadRequest("this model has no tokenizer, which a document request needs")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise BadRequest(f"'{name}' is not supported by this server")
+    n = _number(body, "n", int, 1, 1, MAX_CHOICES)
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                for m in messages):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content")
+        messages = _messages(body)
         if tokenizer is None:
             raise BadRequest("this model has no tokenizer; use /v1/completions with token ids")
-        prompt = tokenizer.encode_chat(messages)
+        prompts = [tokenizer.encode_chat(messages)]
     else:
         raw = body.get("prompt")
         if document is not None and not isinstance(raw, str):
             raise BadRequest("with a document, give the prompt (the question) as a string")
-        if isinstance(raw, str):
-            if tokenizer is None:
-                raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
-            prompt = tokenizer.encode(raw) if raw else []
-        elif isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-            prompt = list(raw)
-        else:
-            raise BadRequest("'prompt' must be a string or a list of token ids")
-    if not prompt:
+        batch = raw if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw) else [raw]
+        if len(batch) * n > MAX_CHOICES:
+            raise BadRequest(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices; at most {MAX_CHOICES}")
+        prompts = []
+        for one in batch:
+            if isinstance(one, str):
+                if tokenizer is None:
+                    raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
+                prompts.append(tokenizer.encode(one) if one else [])
+            elif isinstance(one, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+                prompts.append(list(one))
+            else:
+                raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
+    if not all(prompts):
         raise BadRequest("the prompt is empty")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be true or false, got {stream!r}")
+    if stream and len(prompts) * n > 1:
+        raise BadRequest("streaming returns one choice: use n=1 and one prompt, or stream=false")
     # specjax's own fields: opt out of speculation, or ask for one of the server's policies.
     speculation = body.get("speculation", True)
     if not isinstance(speculation, bool):
@@ -201,16 +248,21 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[Request
     retrieval = None
     try:
         if document is None:
-            request = Request(prompt=tuple(prompt), **fields)
+            requests = [Request(prompt=tuple(prompt), **fields) for prompt in prompts]
         else:
             request, retrieval = scheduler.document_request(
                 document, messages if chat else raw, _retrieval_config(scheduler, body), chat=chat, **fields)
-        scheduler.validate(request)
+            requests = [request]
+        for request in requests:
+            scheduler.validate(request)
     except QueueFull:
         raise
     except SpecjaxError as error:
         raise BadRequest(str(error)) from None
-    return request, stream, retrieval
+    # n choices of each prompt; with a seed, choice j samples with seed + j (the same seed would
+    # repeat the draw).
+    return [dataclasses.replace(r, seed=None if r.seed is None else r.seed + j) for r in requests
+            for j in range(n)], stream, retrieval
 
 
 def _usage(result: RequestResult) -> dict:
@@ -267,14 +319,26 @@ def create_app(server: Scheduler | Startup):
         scheduler = startup.scheduler
         if scheduler is None:
             return not_ready()
+        limit = body_limit(scheduler.config.context_length)
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return error(413, f"the request body has {int(declared):,} bytes; this server reads at most {limit:,} "
+                              f"(64 per position of its {scheduler.config.context_length}-token context)")
+        raw = await http.body()
+        if len(raw) > limit:
+            return error(413, f"the request body has {len(raw):,} bytes; this server reads at most {limit:,}")
         try:
-            body = json.loads(await http.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error(400, f"the request body is not valid JSON: {exc}")
+        handles = []
         try:
-            request, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
-            handle = scheduler.submit(request)
+            requests, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
+            for request in requests:
+                handles.append(scheduler.submit(request))
         except QueueFull as exc:
+            for handle in handles:
+                handle.cancel()
             return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
         except SpecjaxError as exc:
             return error(400, str(exc))
@@ -282,22 +346,34 @@ def create_app(server: Scheduler | Startup):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         kind = "chat.completion" if chat else "text_completion"
         if stream:
-            return StreamingResponse(_sse(http, handle, request_id, created, model_name, chat, retrieval),
+            return StreamingResponse(_sse(http, handles[0], request_id, created, model_name, chat, retrieval),
                                      media_type="text/event-stream")
         try:
-            result = await _wait_or_cancel(http, handle)
+            results = [await _wait_or_cancel(http, handle, handles) for handle in handles]
         except _Disconnected:
             return error(499, "client disconnected")
-        if result.finish_reason == "error":
-            return error(500, result.error or "decoding failed", "server_error")
-        choice = {"index": 0, "finish_reason": _finish_reason(result), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
-            choice["token_ids"] = result.token_ids
-        return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": _usage(result), "metrics": _with_retrieval(result.metrics, retrieval)}
+        failed = [r for r in results if r.finish_reason == "error"]
+        if failed:
+            return error(500, failed[0].error or "decoding failed", "server_error")
+        choices = []
+        for index, result in enumerate(results):
+            choice = {"index": index, "finish_reason": _finish_reason(result), "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+                choice["token_ids"] = result.token_ids
+            if len(results) > 1:
+                choice["metrics"] = _with_retrieval(result.metrics, retrieval)
+            choices.append(choice)
+        usage = [_usage(r) for r in results]
+        per_prompt = body.get("n") or 1  # validated by _parse_request; choices come n per prompt
+        prompt_tokens = sum(u["prompt_tokens"] for u in usage[::per_prompt])  # each prompt counted once, as OpenAI does
+        completion_tokens = sum(u["completion_tokens"] for u in usage)
+        return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens},
+                "metrics": _with_retrieval(results[0].metrics, retrieval)}
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -314,8 +390,9 @@ class _Disconnected(Exception):
     pass
 
 
-async def _wait_or_cancel(http, handle: RequestHandle) -> RequestResult:
-    """The request's result; if the client goes away first, cancel it (freeing its slot)."""
+async def _wait_or_cancel(http, handle: RequestHandle, siblings: list[RequestHandle] = ()) -> RequestResult:
+    """The request's result; if the client goes away first, cancel it and its siblings (the other
+    choices of the same body), freeing their slots."""
     import asyncio
 
     waiter = asyncio.ensure_future(handle.wait())
@@ -324,7 +401,8 @@ async def _wait_or_cancel(http, handle: RequestHandle) -> RequestResult:
         if done:
             return waiter.result()
         if await http.is_disconnected():
-            handle.cancel()
+            for other in (handle, *siblings):
+                other.cancel()
             raise _Disconnected()
 
 
