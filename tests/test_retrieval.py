@@ -117,7 +117,7 @@ def test_bm25_finds_the_needle_and_selection_keeps_document_order_within_the_bud
     cache = IndexCache()
     config = RetrievalConfig(retriever="bm25", chunk_tokens=8, budget_tokens=17, min_score=0.0)
     index = cache.get_or_build(document, decode, config)
-    assert len(index.bounds) == 12 and index.build_seconds >= 0
+    assert len(index.bounds) == 12 and 0 < index.build_seconds < 60
     picked = index.select("what is the secret password", config, separator=[blank])
     assert picked.chunks == [7] and picked.token_ids == index.chunk_ids(7)  # no other chunk shares a term
     # Two matching chunks and one separator fill the 17 tokens, in document order.
