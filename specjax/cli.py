@@ -65,41 +65,41 @@ def _read_prompts_and_categories(path: str, flag: str) -> tuple[list[str], list[
     return prompts, categories
 
 
-# Options only some methods use. Given (a value other than the default) with none of those methods, they
-# are refused rather than silently ignored.
-_METHOD_OPTIONS = {
-    "speculative": (("drafter", "block_size", "drafter_window"),
-                    ("chain", "chain+refiner", "tree", "tree+refiner", "rapid+block", "auto")),
-    "refined": (("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident"),
-                ("chain+refiner", "tree+refiner")),
-    "tree": (("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width"),
-             ("tree", "tree+refiner", "auto")),
-    "rapid": (("rapid_drafts", "rapid_eta"), ("rapid",)),
-    "ngram": (("ngram_drafts", "ngram_max", "ngram_min"), ("ngram",)),
-    "retrieval": (("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score",
-                   "redraft_every", "drafting_length"), ("rapid", "rapid+block")),
-}
+# Options only some methods read, by what the method registry (decode/slots.py:SlotMethod) says a
+# method needs. Given (a value other than the default) with no method that reads them, they are
+# refused rather than silently ignored.
+_METHOD_OPTIONS = (
+    ("a drafter", lambda m: m.needs_drafter, ("drafter", "block_size", "drafter_window")),
+    ("a refiner", lambda m: m.needs_refiner,
+     ("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident", "refine_slots")),
+    ("trees", lambda m: m.needs_tree, ("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width")),
+    ("the target drafting from retrieved passages", lambda m: m.needs_retrieval and not m.needs_drafter,
+     ("rapid_drafts", "rapid_eta")),
+    ("prompt lookup", lambda m: m.needs_ngram, ("ngram_drafts", "ngram_max", "ngram_min")),
+    ("retrieval", lambda m: m.needs_retrieval,
+     ("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score", "redraft_every",
+      "drafting_length")),
+)
 
 
 def _check_decode_args(args, methods: list[str]) -> None:
     """Everything about generate/bench arguments that can be checked before a model is loaded."""
     from specjax.decode.engine import METHODS
-    from specjax.decode.slots import slot_method
+    from specjax.decode.slots import SLOT_METHODS, slot_method
     from specjax.io.registry import context_length_without_loading
 
     if not methods:
         raise SpecjaxError(f"unknown method ''; available: {', '.join(METHODS)}")
-    for m in methods:
-        slot_method(m)  # a registry name or a block method with a draft limit (chain:K); refuses the rest
-    bases = [m.partition(":")[0] for m in methods]  # chain:K takes chain's options
+    specs = [slot_method(m) for m in methods]  # a registry name or chain:K (chain's needs); refuses the rest
     defaults = args.parser
-    for options, users in _METHOD_OPTIONS.values():
-        if any(m in users for m in bases):
+    for reads, reader, options in _METHOD_OPTIONS:
+        if any(reader(spec) for spec in specs):
             continue
         for dest in options:
             if hasattr(args, dest) and getattr(args, dest) != defaults.get_default(dest):
                 flag = "--" + dest.replace("_", "-")
-                raise SpecjaxError(f"{flag} applies to the methods {', '.join(users)}, not to "
+                users = [name for name, spec in SLOT_METHODS.items() if reader(spec)]
+                raise SpecjaxError(f"{flag} applies to methods with {reads} ({', '.join(users)}), not to "
                                    f"{', '.join(methods)}")
     if args.compressor != defaults.get_default("compressor") and not args.drafter_window:
         raise SpecjaxError("--compressor applies only to windowed drafting; give --drafter-window too")
@@ -114,7 +114,7 @@ def _check_decode_args(args, methods: list[str]) -> None:
     _refine_config(args)
     _tree_config(args)
     _ngram_config(args)
-    retrieving = [m for m, base in zip(methods, bases) if base in _METHOD_OPTIONS["retrieval"][1]]
+    retrieving = [m for m, spec in zip(methods, specs) if spec.needs_retrieval]
     # generate and bench read the document from --context-file; a server's requests carry theirs.
     if retrieving and hasattr(args, "context_file") and not args.context_file:
         raise SpecjaxError(f"{retrieving[0]} drafts from passages retrieved from a long context: give "
@@ -537,8 +537,11 @@ def cmd_serve(args) -> int:
         raise SpecjaxError(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
     if args.relief_window < 0:
         raise SpecjaxError(f"--relief-window must be >= 0 (0: never window), got {args.relief_window}")
-    served = (policies or ("ar", "chain")) if args.method == "adaptive" else (args.method,)
-    methods = sorted({p.split(":")[0] for p in served})  # chain:K tiers need what chain needs
+    # Without --policies the controller's default set depends on the drafter's block and the target's
+    # padding, known only once loaded: check the options against every set it may choose.
+    default_sets = ControllerConfig().policy_set(16) + ControllerConfig().policy_set(16, query_rows=8)
+    served = (policies or default_sets) if args.method == "adaptive" else (args.method,)
+    methods = sorted(set(served))  # chain:K tiers need what chain needs (slot_method says so)
     _check_decode_args(args, methods)
     model = _load_target(args, served=True)
     parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)

@@ -177,7 +177,9 @@ def test_bench_runs_auto_and_ngram_beside_ar(tiny_with_tokenizer_and_drafter, ca
     assert set(chose) == {"ar", "chain", "tree"} and chose["chain"] >= 2 and chose["tree"] >= 2  # each call explores
     assert auto["auto"]["chain_step_over_decode_step"] > 0
     assert main(["bench", "--methods", "ar,chain", "--ngram-drafts", "3"]) == 2
-    assert "--ngram-drafts applies to the methods ngram" in capsys.readouterr().err
+    assert "--ngram-drafts applies to methods with prompt lookup (ngram)" in capsys.readouterr().err
+    assert main(["bench", "--methods", "ar,chain", "--refine-slots", "2"]) == 2  # once silently ignored
+    assert "--refine-slots applies to methods with a refiner (chain+refiner, tree+refiner)" in capsys.readouterr().err
 
 
 def test_bench_reports_each_category_of_a_categorised_prompt_file(tiny_with_tokenizer_and_drafter, capsys, tmp_path):
@@ -238,7 +240,7 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     again = _last_json(capsys)
     assert again["tokens"] == ar["tokens"] and again["stats"]["redrafts"] >= 1
     assert main(base + ["--redraft-every", "3"]) == 2  # re-retrieval is for rapid and rapid+block only
-    assert "applies to the methods rapid" in capsys.readouterr().err
+    assert "applies to methods with retrieval (rapid, rapid+block)" in capsys.readouterr().err
     assert main(["bench", "--model", str(root / "model"), "--methods", "ar,rapid,rapid+block", "--context-file",
                  str(document), "--prompt", "where did the cat sit", "--no-chat", "--max-new-tokens", "6", "--json",
                  "--drafter", str(root / "drafter")] + rapid_args[2:]) == 0
@@ -248,7 +250,7 @@ def test_generate_rapid_from_a_context_file(tiny_with_tokenizer_and_drafter, cap
     assert main(["generate", "--model", str(root / "model"), "--prompt", "x", "--method", "rapid"]) == 2
     assert "--context-file" in capsys.readouterr().err
     assert main(base + ["--retriever", "bm25"]) == 2  # a rapid option for AR
-    assert "applies to the methods rapid" in capsys.readouterr().err
+    assert "applies to methods with retrieval (rapid, rapid+block)" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # 29 s; trees' exactness and budget rule are tested through Engine in test_tree.py

@@ -162,6 +162,19 @@ def test_tree_flag_without_a_tree_method(capsys, no_heavy_work):
     refused(["bench", "--methods", "ar,chain", "--tree-budget", "8"], capsys, "--tree-budget", "ar, chain")
 
 
+def test_refiner_flags_without_a_refined_method(capsys, no_heavy_work):
+    refused(["generate", "--prompt", "Hi", "--method", "chain", "--refine-slots", "2"], capsys,
+            "--refine-slots", "chain+refiner, tree+refiner", "not to chain")
+
+
+def test_a_server_checks_tree_flags_against_the_policies_it_may_run(capsys, no_heavy_work):
+    """A padded (bf16) adaptive server's default set holds a tree, so --tree-budget is not refused
+    for it; with explicit policies and no tree it is."""
+    refused(["serve", "--policies", "ar,chain", "--tree-budget", "8"], capsys, "--tree-budget", "ar, chain")
+    with pytest.raises(AssertionError, match="heavy work started"):  # past the checks, to loading the model
+        cli.main(["serve", "--dtype", "bfloat16", "--tree-budget", "8"])
+
+
 def test_compressor_without_a_window(capsys, no_heavy_work):
     refused(["generate", "--prompt", "Hi", "--method", "chain", "--compressor", "x"], capsys,
             "--compressor", "--drafter-window")
