@@ -46,28 +46,25 @@ MAX_NEW_TOKENS = 96   # new tokens per prompt
 import matplotlib.pyplot as plt
 import numpy as np
 
+import specjax
 from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-from specjax.decode.bench import format_table, run_bench
-from specjax.decode.engine import Engine
-from specjax.io.registry import at_compute_dtype, resolve_drafter
-from specjax.notebook import load_target, summary
+from specjax.notebook import summary
 
-model = load_target(ENV)
-drafter = at_compute_dtype(resolve_drafter("default", "smollm2"), ENV.dtype)
-engine = Engine(model, drafter)
+llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None)  # the target with its committed drafter
+model, drafter = llm.model, llm.drafter
 texts = HELDOUT_CHAT_PROMPTS[:PROMPTS]
-prompts = [model.tokenizer.encode_chat(t) for t in texts]
+prompts = [llm.encode(t) for t in texts]
 print(f"drafter: {drafter.config.num_layers} layer, block {drafter.config.block_size}, "
       f"head over {len(drafter.draft_vocab) if drafter.draft_vocab is not None else 'all'} tokens")
 
 # %% [markdown]
 # ## Autoregressive against block-diffusion chains, side by side
-# `run_bench` alternates the methods prompt by prompt, so machine noise hits both alike, and keeps
+# `llm.bench` alternates the methods prompt by prompt, so machine noise hits both alike, and keeps
 # compilation out of the timing.
 
 # %%
-report = run_bench(engine, prompts, ["ar", "chain"], MAX_NEW_TOKENS, progress=False)
-print(format_table(report))
+report = llm.bench(texts, methods=("ar", "chain"), max_tokens=MAX_NEW_TOKENS, progress=False)
+print(report)
 chain = report["methods"]["chain"]
 
 # %%
