@@ -71,6 +71,27 @@ def test_the_choice_rule_explores_holds_with_a_margin_and_probes():
         AutoConfig(margin=1.0)
 
 
+def test_probes_that_keep_losing_back_off_and_a_winning_probe_resets_them():
+    config = AutoConfig(probe_every=4, max_probe_factor=4)
+    seconds = jnp.asarray([1.0, 3.0, 3.5])
+    auto = AutoState.fresh()
+    auto = observe(auto, 1, jnp.float32(1.5), jnp.float32(0), config, seconds)  # exploration: no probe yet
+    auto = observe(auto, 2, jnp.float32(1.6), jnp.float32(3.5), config, seconds)
+    auto = observe(auto, 0, jnp.float32(1.0), jnp.float32(0), config, seconds)
+    assert int(auto.probe_factor) == 1
+    for factor in (2, 4, 4):  # each losing probe doubles the interval, up to the cap
+        waited = auto.replace(idle=jnp.int32(4 * int(auto.probe_factor)))
+        assert int(choose_policy(waited.replace(idle=waited.idle - 1), seconds, config)) == 0  # not yet
+        probe = int(choose_policy(waited, seconds, config))
+        assert probe > 0
+        auto = observe(waited, probe, jnp.float32(1.5), jnp.float32(3.5), config, seconds)
+        assert int(auto.probe_factor) == factor
+        auto = observe(auto, 0, jnp.float32(1.0), jnp.float32(0), config, seconds)  # back on AR
+    waited = auto.replace(idle=jnp.int32(16))
+    won = observe(waited, 1, jnp.float32(5.0), jnp.float32(0), AutoConfig(ema=1.0, probe_every=4), seconds)
+    assert int(won.probe_factor) == 1  # 5 tokens for 3x a step: speculation pays again
+
+
 def test_auto_refuses_a_fixed_tree_budget(target, drafter):
     with pytest.raises(SpecjaxError, match="budget rule"):
         Engine(target, drafter).generate(PROMPTS, 4, method="auto", tree=TreeConfig(budget=SPEC_BLOCK))

@@ -14,6 +14,8 @@ weighs, before every step, the measured cost of each policy's step against its m
 - Tokens per step are moving averages of what each speculative policy committed when it ran (AR
   commits 1). The first steps run each speculative policy once, so both are measured on this run's
   own prompts, and while AR runs, the best speculative policy is probed every `probe_every` steps.
+  A probe that still loses to AR doubles the interval (up to `max_probe_factor` times), so where
+  speculation cannot pay, probing costs little; a probe that wins resets it.
 - A policy that speculates more must be predicted `margin` faster to take over, so near a tie auto
   settles on less speculation (as the adaptive server does, serve/controller.py).
 
@@ -44,6 +46,8 @@ class AutoConfig:
     """A policy that speculates more than the current one must be predicted this much faster."""
     probe_every: int = 32
     """While AR runs, steps between two probes of the best speculative policy (0: never probe)."""
+    max_probe_factor: int = 16
+    """A probe that still loses to AR doubles the interval, up to this many times probe_every."""
 
     def __post_init__(self):
         if not 0.0 < self.ema <= 1.0:
@@ -51,6 +55,7 @@ class AutoConfig:
         if not 0.0 <= self.margin < 1.0:
             raise SpecjaxError(f"auto margin must be in [0, 1), got {self.margin}")
         check_at_least(0, probe_every=self.probe_every)
+        check_at_least(1, max_probe_factor=self.max_probe_factor)
 
 
 @struct.dataclass
@@ -67,13 +72,15 @@ class AutoState:
     """[] int32: steps since a speculative policy last ran."""
     steps: jax.Array
     """[P] int32: steps each policy ran."""
+    probe_factor: jax.Array
+    """[] int32: the probe interval is probe_every times this (1 after a winning probe)."""
 
     @classmethod
     def fresh(cls) -> "AutoState":
         count = len(AUTO_POLICIES)
         return cls(tokens_per_step=jnp.ones((count,), jnp.float32), tree_seconds=jnp.zeros((), jnp.float32),
                    current=jnp.zeros((), jnp.int32), idle=jnp.zeros((), jnp.int32),
-                   steps=jnp.zeros((count,), jnp.int32))
+                   steps=jnp.zeros((count,), jnp.int32), probe_factor=jnp.ones((), jnp.int32))
 
 
 def policy_seconds(auto: AutoState, costs, block: int) -> jax.Array:
@@ -94,14 +101,17 @@ def choose_policy(auto: AutoState, seconds: jax.Array, config: AutoConfig) -> ja
     needed = jnp.where(best > auto.current, 1.0 + config.margin, 1.0)
     held = jnp.where(value[best] > value[auto.current] * needed, best, auto.current)
     best_speculative = jnp.argmax(jnp.where(speculative, value, -jnp.inf)).astype(jnp.int32)
-    probe = (held == 0) & (config.probe_every > 0) & (auto.idle >= config.probe_every)
+    probe = (held == 0) & (config.probe_every > 0) & (auto.idle >= config.probe_every * auto.probe_factor)
     chosen = jnp.where(probe, best_speculative, held)
     return jnp.where(unexplored.any(), jnp.argmax(unexplored).astype(jnp.int32), chosen)
 
 
-def observe(auto: AutoState, policy, committed_per_row, tree_seconds, config: AutoConfig) -> AutoState:
+def observe(auto: AutoState, policy, committed_per_row, tree_seconds, config: AutoConfig,
+            seconds: jax.Array | None = None) -> AutoState:
     """auto after a step of `policy` in which each live row committed committed_per_row tokens on
-    average (nan when no row was live), the tree step predicted at tree_seconds."""
+    average (nan when no row was live), the tree step predicted at tree_seconds. seconds: [P] the
+    predicted step costs the choice was made by; with them a probe (a speculative step taken while
+    on AR) that still loses to AR doubles the probe interval, and one that wins resets it."""
     seen = jnp.isfinite(committed_per_row)
     first = auto.steps[policy] == 0
     old = auto.tokens_per_step[policy]
@@ -111,5 +121,11 @@ def observe(auto: AutoState, policy, committed_per_row, tree_seconds, config: Au
     tree = jnp.where(is_tree & seen, jnp.where(auto.tree_seconds > 0,
                                                (1 - config.ema) * auto.tree_seconds + config.ema * tree_seconds,
                                                tree_seconds), auto.tree_seconds)
+    factor = auto.probe_factor
+    if seconds is not None:
+        probed = (auto.current == 0) & (policy > 0) & (auto.steps[policy] > 0) & seen
+        loses = tokens[policy] / seconds[policy] < tokens[0] / seconds[0]
+        factor = jnp.where(probed, jnp.where(loses, jnp.minimum(2 * factor, config.max_probe_factor), 1), factor)
     return AutoState(tokens_per_step=tokens, tree_seconds=tree, current=jnp.asarray(policy, jnp.int32),
-                     idle=jnp.where(policy > 0, 0, auto.idle + 1), steps=auto.steps.at[policy].add(1))
+                     idle=jnp.where(policy > 0, 0, auto.idle + 1), steps=auto.steps.at[policy].add(1),
+                     probe_factor=factor.astype(jnp.int32))

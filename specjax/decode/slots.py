@@ -822,7 +822,8 @@ def _auto_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     committed when it last ran; then the estimates are updated from what this step committed."""
     auto, costs = state.auto, parts.tree_costs
     block = statics.drafter_config.block_size
-    choice = choose_policy(auto, policy_seconds(auto, costs, block), statics.auto)
+    seconds = policy_seconds(auto, costs, block)
+    choice = choose_policy(auto, seconds, statics.auto)
     branches = [lambda st, m=SLOT_METHODS[name]: m.one_step(parts, st, statics, attend_slots)
                 for name in AUTO_POLICIES]
     stepped = jax.lax.switch(choice, branches, state)
@@ -834,7 +835,7 @@ def _auto_step(parts: SlotParts, state: SlotState, statics: SlotStatics, attend_
     live = ~state.done
     chosen = jnp.max(jnp.where(live, stepped.tree_chosen - state.tree_chosen, 0))  # the tree's size, batch-wide
     tree_seconds = costs.fixed_s + costs.verify_cost(jnp.maximum(chosen, 1))
-    return stepped.replace(auto=observe(auto, choice, committed, tree_seconds, statics.auto))
+    return stepped.replace(auto=observe(auto, choice, committed, tree_seconds, statics.auto, seconds))
 
 
 @dataclasses.dataclass(frozen=True)
