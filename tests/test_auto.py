@@ -41,6 +41,12 @@ def test_auto_decodes_ar_where_verifying_is_dear_and_speculates_where_it_is_chea
     if case == "dear_verify":
         assert steps["ar"] >= 0.8 * total, steps  # after one step of each speculative policy, and probes
         assert 2 <= steps["chain"] + steps["tree"] <= 2 + total // 16 + 1, steps
+        # A second greedy call starts from what the first measured: no exploring again.
+        again = engine.generate(PROMPTS, 40, ignore_eos=True, method="auto", tree=TREE, auto=AutoConfig(probe_every=16))
+        assert again.tokens == ar.tokens
+        second = again.stats["auto"]["policy_steps"]
+        assert sum(second.values()) <= 39  # this call's steps only: 40 tokens, the first from the prefill
+        assert second["chain"] + second["tree"] <= steps["chain"] + steps["tree"] - 2, (steps, second)
     else:
         assert steps["ar"] == 0 and steps["chain"] + steps["tree"] == total, steps
         assert auto.stats["tau"] > 1.5

@@ -129,6 +129,9 @@ class Engine:
         self.prompt_bucket = prompt_bucket
         self._compiled: dict[DecodeRequestShape, Any] = {}
         self._slot_phase_costs: dict[DecodeRequestShape, dict[str, float]] = {}
+        # What auto measured when its last greedy call of a batch size ended (decode/auto.py): the next
+        # such call starts from it, instead of exploring and probing from scratch every call.
+        self._auto_memory: dict[int, Any] = {}
         if latency_cache is True:
             from specjax.io.registry import cache_dir
             latency_cache = cache_dir() / "latency"
@@ -352,6 +355,13 @@ class Engine:
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
         prefill_s = time.perf_counter() - start
+        # Greedy only: the policy sequence decides which keys a sampled row draws with, so a sampled
+        # call starts fresh and a seed gives the same draw whatever ran before it.
+        remembers = shape.auto is not None and shape.sampling.greedy and self.mesh is None
+        steps_before = 0  # the policy steps a remembered state had already counted
+        if remembers and batch in self._auto_memory:
+            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory[batch]))
+            steps_before = np.asarray(self._auto_memory[batch].steps)
         redrafts, redraft_s, redraft_tokens = 0, 0.0, 0
         if shape.streaming:
             next_redraft = np.full(batch, redraft.every if redraft else 0)
@@ -382,6 +392,8 @@ class Engine:
             (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
              state.refine_passes, state.tree_sizes, state.tree_chosen))
         auto_state = None if state.auto is None else to_host(state.auto)
+        if remembers:
+            self._auto_memory[batch] = auto_state
         rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
         # The prefill gives each row its first token; the decode loop the rest. At long context the
         # prefill dominates a short answer's wall time, so the decode rate is reported on its own.
@@ -443,7 +455,7 @@ class Engine:
                                         if loop_steps else 0.0),
             })
             if auto_state is not None:
-                stats["auto"] = _auto_stats(auto_state, latency, self.drafter.config.block_size)
+                stats["auto"] = _auto_stats(auto_state, latency, self.drafter.config.block_size, steps_before)
             elif latency is not None:
                 # Split of wall time by the latency model, which each run refits (Bastion's rule).
                 stats.update({
@@ -553,11 +565,11 @@ class Engine:
         self.latency_models[key] = latency
         return latency
 
-def _auto_stats(auto, latency: LatencyModel, block: int) -> dict:
+def _auto_stats(auto, latency: LatencyModel, block: int, steps_before=0) -> dict:
     """What the auto method chose, and the estimates it chose by, as it ended the run."""
     seconds = [float(x) for x in policy_seconds(auto, latency.costs(), block)]  # what the step chose by
     return {
-        "policy_steps": {name: int(n) for name, n in zip(AUTO_POLICIES, auto.steps)},
+        "policy_steps": {name: int(n) for name, n in zip(AUTO_POLICIES, np.asarray(auto.steps) - steps_before)},
         "tokens_per_step": {name: float(t) for name, t in zip(AUTO_POLICIES, auto.tokens_per_step)},
         "seconds_per_step": dict(zip(AUTO_POLICIES, seconds)),
         "chain_step_over_decode_step": seconds[1] / seconds[0],
