@@ -126,6 +126,8 @@ class LLM:
         raise SpecjaxError(f"a prompt is text, a list of chat messages or a list of token ids, got {prompt!r:.80}")
 
     def _batch(self, prompts, chat: bool | None) -> list[list[int]]:
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
                                               not isinstance(prompts[0], (str, list, tuple)))
         return [self.encode(p, chat) for p in ([prompts] if single else list(prompts))]
@@ -133,7 +135,11 @@ class LLM:
     def _method(self, method: str | None) -> str:
         if method is not None:
             return method
-        return "ar" if self.drafter is None else "auto"
+        if self.drafter is None:
+            return "ar"
+        rows = self.model.config.query_rows
+        # auto verifies the whole block; a target padded to fewer rows (bf16) runs the trees that fit.
+        return "tree" if rows is not None and rows < self.drafter.config.block_size else "auto"
 
     # ---- decoding ----
 
@@ -144,7 +150,8 @@ class LLM:
 
         method: a registry method (`specjax.methods()`): ar, chain, chain:K, chain+refiner, tree,
         tree+refiner, ngram, auto, ... (default: auto with a drafter, which picks AR, chain or tree
-        each step by this machine's measured costs; ar without one).
+        each step by this machine's measured costs; on a target padded to fewer rows than the block,
+        tree; ar without a drafter).
         options: the method's config, passed to Engine.generate: tree=TreeConfig(...),
         refine=RefineConfig(...), ngram=NgramConfig(...), auto=AutoConfig(...)."""
         ids = self._batch(prompts, chat)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import specjax
@@ -45,6 +46,8 @@ def test_generate_takes_text_messages_and_ids_and_speculation_returns_ars_tokens
         llm.generate([{"role": "user", "content": "the cat sat"}], 4)
     [ids] = llm.generate(ar[0].prompt_token_ids, 12, method="ar", ignore_eos=True)
     assert ids.token_ids == ar[0].token_ids
+    [array] = llm.generate(np.asarray(ar[0].prompt_token_ids), 12, method="ar", ignore_eos=True)
+    assert array.token_ids == ar[0].token_ids
     assert "tau" not in ar[0].metrics  # AR has no acceptance to report
 
 
@@ -76,6 +79,15 @@ def test_bench_and_server(llm):
         assert handle.result(timeout=300).token_ids == expected.token_ids
     finally:
         server.shutdown()
+
+
+def test_the_default_method_is_auto_or_the_trees_a_padded_target_fits(llm, monkeypatch):
+    import dataclasses
+
+    assert llm._method(None) == "auto" and llm._method("chain") == "chain"
+    padded = dataclasses.replace(llm.model, config=dataclasses.replace(llm.model.config, query_rows=2))
+    monkeypatch.setattr(llm, "model", padded)
+    assert llm._method(None) == "tree"  # auto verifies the whole block of 4, more than 2 rows
 
 
 def test_without_a_drafter_the_default_method_is_ar(tiny_with_tokenizer_and_drafter):  # noqa: F811
