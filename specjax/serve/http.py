@@ -336,11 +336,11 @@ def create_app(server: Scheduler | Startup):
             requests, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
             for request in requests:
                 handles.append(scheduler.submit(request))
-        except QueueFull as exc:
-            for handle in handles:
+        except (QueueFull, SpecjaxError) as exc:
+            for handle in handles:  # the choices already queued go too: the body is answered as a whole
                 handle.cancel()
-            return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
-        except SpecjaxError as exc:
+            if isinstance(exc, QueueFull):
+                return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
             return error(400, str(exc))
         created = int(time.time())
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
