@@ -71,25 +71,21 @@ class LLM:
         dtype, kv_dtype, query_rows: as the CLI's --dtype, --kv-dtype and --query-rows ("auto":
         float32 on CPUs without native bf16, and bf16 steps padded so speculation stays exact)."""
         from specjax.decode.engine import Engine
-        from specjax.io.registry import (DEFAULT_DRAFTERS, DEFAULT_REFINERS, at_compute_dtype, compute_dtype,
-                                         load_model, resolve_drafter, resolve_refiner, with_kv_dtype,
+        from specjax.decode.parts import PartsSpec, resolve_parts
+        from specjax.io.registry import (DEFAULT_DRAFTERS, DEFAULT_REFINERS, compute_dtype, load_model, with_kv_dtype,
                                          with_query_rows)
-        from specjax.io.dflash import check_pair
-        from specjax.io.refiner import check_refiner
 
         self.model = with_query_rows(with_kv_dtype(load_model(model, compute_dtype(dtype)), kv_dtype), query_rows)
-        self.drafter = self.refiner = None
         if drafter == "default" and model not in DEFAULT_DRAFTERS:
             drafter = None  # no committed drafter for this model: AR and ngram until one is given
-        if drafter is not None:
-            self.drafter = resolve_drafter(drafter, model)
-            check_pair(self.drafter, self.model.config)
-            self.drafter = at_compute_dtype(self.drafter, self.model.config.dtype)
         if refiner == "default" and not (model in DEFAULT_REFINERS and (DEFAULT_REFINERS[model] / "config.json").exists()):
             refiner = None
-        if refiner is not None and self.drafter is not None:
-            self.refiner = resolve_refiner(refiner, model)
-            check_refiner(self.refiner, self.drafter)
+        # The CLI's one loading path: the drafter checked against the target and cast to its precision,
+        # the refiner checked against that drafter.
+        needs = ([] if drafter is None else ["chain"]) + ([] if drafter is None or refiner is None else ["chain+refiner"])
+        parts = resolve_parts(needs, self.model, model, PartsSpec(drafter=drafter or "default",
+                                                                  refiner=refiner or "default"))
+        self.drafter, self.refiner = parts.drafter, parts.refiner
         self.engine = Engine(self.model, self.drafter, refiner=self.refiner)
 
     @property
