@@ -23,8 +23,8 @@ _EXPORTS = {
     "LLM": "specjax.api", "Completion": "specjax.api", "BenchReport": "specjax.api", "methods": "specjax.api",
     "SamplingConfig": "specjax.decode.sampling", "TreeConfig": "specjax.decode.tree",
     "RefineConfig": "specjax.decode.refine", "NgramConfig": "specjax.decode.ngram", "AutoConfig": "specjax.decode.auto",
-    "Scheduler": "specjax.serve.scheduler", "ServeConfig": "specjax.serve.scheduler",
-    "Request": "specjax.serve.scheduler", "ControllerConfig": "specjax.serve.controller",
+    "Scheduler": "specjax.serve.scheduler", "ServeConfig": "specjax.serve.config",
+    "Request": "specjax.serve.requests", "ControllerConfig": "specjax.serve.controller",
     "DistillRecipe": "specjax.train.recipe", "RefinerRecipe": "specjax.train.refiner",
     "CompressorRecipe": "specjax.train.compressor", "SpecjaxError": "specjax.errors",
 }

@@ -459,12 +459,12 @@ def test_a_request_that_does_not_fit_beside_a_running_one_waits(target, drafter)
 
     # The same rule with the first request caught holding a slot: decoding, and still prefilling its
     # prompt in chunks (8 of its 24 tokens in the cache so far, all 24 counted).
-    from specjax.serve.scheduler import _Live
+    from specjax.serve.requests import LiveRequest as _Live
 
     second_request = Request(prompts[1], max_tokens=limits[1])
     for filled in (len(long_prompt) + 1, 8):
         scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=min(filled, len(long_prompt)))}
-        scheduler._lengths[0] = filled
+        scheduler.kv.lengths[0] = filled
         assert not scheduler._memory_allows([], second_request, 0), filled
     scheduler._live = {}
     assert scheduler._memory_allows([], second_request, 0)  # alone, it is admitted
@@ -472,12 +472,12 @@ def test_a_request_that_does_not_fit_beside_a_running_one_waits(target, drafter)
     # A request parked by a preemption (its row on the host) that does not fit yet stays parked at the
     # head of the queue: it is neither prefilled from scratch nor overtaken, though its prompt alone
     # would fit.
-    from specjax.serve.scheduler import RequestHandle
+    from specjax.serve.requests import RequestHandle
 
     scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=len(long_prompt))}
-    scheduler._lengths[0] = len(long_prompt)
+    scheduler.kv.lengths[0] = len(long_prompt)
     parked = RequestHandle(99, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
-    row = jax.device_get(scheduler._program("take_row")(scheduler._state, 1))
+    row = jax.device_get(scheduler.programs.program("take_row")(scheduler._state, 1))
     parked._parked = (row.replace(num_generated=np.int32(20), lengths=np.int32(22)), _Live(parked, 0.0, 0.0))
     behind = RequestHandle(100, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
     scheduler._waiting.extend([(parked, 0.0), (behind, 0.0)])
@@ -635,7 +635,7 @@ def test_an_adaptive_server_with_trees_in_its_set_stays_exact(target, drafter, t
     assert "tree" in used and len(used) >= 2, used
 
 
-def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measured_fastest():
+def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measured_fastest(tmp_path):
     fresh = _controller()
     fresh.choose_start(1, 128)
     # The 0.5 prior: chain:3 commits 1.875 tokens a step for 1.3x AR's cost, the chain 1.99 for 1.4x.
@@ -644,14 +644,19 @@ def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measu
     _observe_chain(poor, 0.1)
     assert poor.priors()["acceptance"][0] == pytest.approx(0.1)
     later = _controller()
-    later.load_priors(json.loads(json.dumps(poor.priors())))
+    assert later.load_priors(json.loads(json.dumps(poor.priors())))
     assert later.choose_start(1, 128) == "ar"  # 1.1 tokens a step do not pay for the chain's cost
     assert not later.acceptance_seen.any()  # still a prior: the first observation replaces it
     _observe_chain(later, 0.9)
     assert later.acceptance[0] == pytest.approx(0.9)
     other_block = Controller(("ar", "chain"), 16)
-    other_block.load_priors(poor.priors())
+    assert not other_block.load_priors(poor.priors())  # another block's acceptance is ignored, and says so
     assert (other_block.acceptance == 0.5).all()
+    path = tmp_path / "priors.json"
+    poor.save_priors_file(path)
+    assert later.load_priors_file(path) and not other_block.load_priors_file(path)
+    path.write_text("{not json")
+    assert not later.load_priors_file(path)  # a damaged file is a lost prior, not an error
 
 
 def test_an_adaptive_server_keeps_its_acceptance_for_the_next_start(target, drafter, tmp_path, monkeypatch):

@@ -251,7 +251,7 @@ def test_a_target_padded_below_the_block_verifies_its_rows_and_stays_exact(targe
                        compile_now=False, latency_cache=tmp_path)
     try:
         assert server.policies == (f"chain:{width - 1}",)
-        assert server._row_limit(Request(prompt=(1, 2), max_tokens=4, method="chain")) == width - 1
+        assert server.rules.row_limit(Request(prompt=(1, 2), max_tokens=4, method="chain")) == width - 1
     finally:
         server.shutdown()
     # An adaptive server's default set: under padded rows a shorter chain costs the longest one's

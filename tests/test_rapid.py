@@ -251,10 +251,10 @@ def test_served_rapid_requests_with_their_own_drafting_prompts_equal_ar(target, 
                           compile_now=ahead)
     if ahead:  # moving a row between slots is a small program, compiled on first use on every server
         assert scheduler.wait_compiled(timeout=600)  # the drafting-context fills compile in the background
-        assert {key for key in scheduler._compiled if key[0] == "drafting"} == {
-            ("drafting", bucket, rows) for bucket in scheduler.drafting_buckets for rows in scheduler.insert_sizes}
-        built = scheduler._program
-        scheduler._program = lambda kind, **static: built(kind, **static) if kind == "move_row" else pytest.fail(
+        assert {key for key in scheduler.programs.compiled if key[0] == "drafting"} == {
+            ("drafting", bucket, rows) for bucket in scheduler.shapes.drafting_buckets for rows in scheduler.shapes.insert_sizes}
+        built = scheduler.programs.program
+        scheduler.programs.program = lambda kind, **static: built(kind, **static) if kind == "move_row" else pytest.fail(
             f"a {kind} program was built while serving")
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0, drafting_prompt=d))

@@ -78,8 +78,8 @@ def test_compiling_the_server_reports_each_program_as_it_goes(target, capfd):
     scheduler = Scheduler(target, None, _config("ar", prefill_chunk=8))
     try:
         lines = [line for line in capfd.readouterr().err.splitlines() if "compiling the server's programs" in line]
-        total = len(scheduler.attend_buckets) * len(scheduler.row_buckets) + \
-            len(scheduler.insert_sizes) * len(scheduler.prompt_buckets) + 1
+        total = len(scheduler.shapes.attend_buckets) * len(scheduler.shapes.row_buckets) + \
+            len(scheduler.shapes.insert_sizes) * len(scheduler.shapes.prompt_buckets) + 1
         assert [line.split(": ")[1].split(" ")[0] for line in lines] == [f"{k}/{total}" for k in range(1, total + 1)]
         assert any("ar step" in line for line in lines) and any("insert" in line for line in lines)
         assert "chunked prefill" in lines[-1]
@@ -122,7 +122,7 @@ def test_a_windowed_drafter_serves_exactly(target, drafter):
 
     windowed = with_random_compressor(drafter, DrafterWindow(window=5, segment=4, summaries=2))
     scheduler = Scheduler(target, windowed, _config("chain", prefill_chunk=4), compile_now=False)
-    assert scheduler.prefill_chunk == 0
+    assert scheduler.shapes.prefill_chunk == 0
     prompts = [[1, 5, 2, 7, 7, 1, 9, 4, 2, 2, 6], [3, 4], [8, 1, 1, 2, 9, 9, 3]]
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=20, temperature=0.0)) for p in prompts]
@@ -156,10 +156,11 @@ def test_steps_compute_only_the_rows_in_use_after_packing_them(target, drafter, 
     """With 4 slots and row buckets (1, 4): while three requests run, steps compute 4 rows; once the
     two short ones end, the long one moves to slot 0 and steps compute 1 row. Outputs stay generate's."""
     scheduler = Scheduler(target, drafter, _config("chain", slot_count=4, row_buckets=(1,)), compile_now=False)
-    assert scheduler.row_buckets == (1, 4)
+    assert scheduler.shapes.row_buckets == (1, 4)
     stepped, moved = [], []
-    compiled_step, program = scheduler._compiled_step, scheduler._program
-    monkeypatch.setattr(scheduler, "_compiled_step", lambda policy, length, rows: (
+    programs = scheduler.programs
+    compiled_step, program = programs.step, programs.program
+    monkeypatch.setattr(programs, "step", lambda policy, length, rows: (
         stepped.append(rows), compiled_step(policy, length, rows))[1])
 
     def recorded(kind, **static):
@@ -168,7 +169,7 @@ def test_steps_compute_only_the_rows_in_use_after_packing_them(target, drafter, 
             return run
         return lambda state, source, target: (moved.append((source, target)), run(state, source, target))[1]
 
-    monkeypatch.setattr(scheduler, "_program", recorded)
+    monkeypatch.setattr(programs, "program", recorded)
     prompts, limits = PROMPTS[:3], [3, 24, 2]  # the long request sits in slot 1, between two short ones
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=n, temperature=0.0)) for p, n in zip(prompts, limits)]

@@ -95,7 +95,7 @@ print(f"{SLOTS} slots of {config.context_length} tokens; policies {', '.join(sch
       f"(block {block}: chain verifies {block - 1} drafts); ready in {time.perf_counter() - started:.1f} s")
 print("start-up cost of one call (4 steps), by live rows:")
 for policy in scheduler.policies:
-    costs = {rows: scheduler.controller.startup_s[policy, rows] for rows in scheduler.row_buckets}
+    costs = {rows: scheduler.controller.startup_s[policy, rows] for rows in scheduler.shapes.row_buckets}
     print(f"  {policy:>8}: " + ", ".join(f"{rows} rows {1e3 * s:.0f} ms" for rows, s in costs.items()))
 
 # %% [markdown]

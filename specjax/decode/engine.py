@@ -222,15 +222,9 @@ class Engine:
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
         # is also the most tokens one verify step writes, which sizes the sliding layers' KV rings.
-        slack = 0
-        if spec.needs_drafter:
-            slack = self.drafter.config.block_size
-        if spec.needs_tree:
-            slack = max(slack, tree.node_buckets(self.drafter.config.block_size - 1)[-1])
-        if spec.needs_retrieval and not spec.needs_drafter:
-            slack = rapid.drafts + 1
-        if spec.needs_ngram:
-            slack = ngram.drafts + 1
+        block = 1 if self.drafter is None else self.drafter.config.block_size
+        slack = spec.writes(block, tree.node_buckets(block - 1)[-1] if spec.needs_tree else 0,
+                            rapid.drafts, ngram.drafts)
         # query_rows pads every decode-time forward to that many rows, all written to the cache.
         slack = max(slack, self.model.config.query_rows or 0)
         drafting_bucket = 0

@@ -240,6 +240,12 @@ class SlotStatics:
         """Most cache slots one verify step writes past a row's length: the block, or the largest tree."""
         return max((self.block,) + self.tree_buckets)
 
+    def policy_writes(self, policy: str) -> int:
+        """Most cache slots one step of `policy` writes past a row's length (SlotMethod.writes)."""
+        return slot_method(policy).writes(self.block, max(self.tree_buckets, default=0),
+                                          0 if self.rapid is None else self.rapid.drafts,
+                                          0 if self.ngram is None else self.ngram.drafts)
+
 
 def token_rows(rows: Sequence[Sequence[int]], width: int, count: int | None = None) -> np.ndarray:
     """[count, width] int32: each row's tokens from the left, zeros after them and in the rows past
@@ -857,6 +863,38 @@ class SlotMethod:
     needs_auto: bool = False
     """Chooses its policy at each step from measured costs and yields (SlotStatics.auto)."""
 
+    @property
+    def family(self) -> str:
+        """The registry method this one is a draft-limited tier of ("chain" for "chain:3"), or its name."""
+        return self.name.partition(":")[0]
+
+    @property
+    def takes_draft_limit(self) -> bool:
+        """A block method: "family:K" verifies K drafts of its block (BLOCK_METHODS)."""
+        return self.family in BLOCK_METHODS
+
+    def writes(self, block: int, largest_tree: int = 0, rapid_drafts: int = 0, ngram_drafts: int = 0) -> int:
+        """Most cache slots one step writes past a row's committed tokens, with a drafter of this
+        block (1 without one), trees of at most largest_tree nodes, and rapid's or ngram's drafts.
+        Sliding layers keep KV rings this much past their window; a cache must hold it past the
+        longest answer."""
+        if self.needs_retrieval and not self.needs_drafter:  # rapid verifies its drafts and the last token
+            return rapid_drafts + 1
+        if self.needs_ngram:
+            return ngram_drafts + 1
+        if not self.needs_drafter:
+            return 1
+        chain = block if self.drafts is None else self.drafts + 1
+        if self.needs_auto:  # either a chain or a tree, chosen per step
+            return max(chain, largest_tree)
+        return largest_tree if self.needs_tree else chain
+
+    def limited_to(self, drafts: int) -> str:
+        """The name of this method's tier verifying `drafts` drafts ("chain:3")."""
+        if not self.takes_draft_limit:
+            raise SpecjaxError(f"method {self.name!r} takes no draft limit; block methods: {', '.join(BLOCK_METHODS)}")
+        return f"{self.family}:{drafts}"
+
 
 SLOT_METHODS: dict[str, SlotMethod] = {
     "ar": SlotMethod("ar", _ar_step, needs_drafter=False),
@@ -900,7 +938,7 @@ def method_within_query_rows(name: str, block: int, query_rows: int | None) -> s
     method = slot_method(name)
     if method.drafts is not None and method.drafts > block - 1:
         raise SpecjaxError(f"method {name!r} verifies {method.drafts} drafts; the drafter's block holds {block - 1}")
-    if query_rows is None or method.name.partition(":")[0] not in BLOCK_METHODS:
+    if query_rows is None or not method.takes_draft_limit:
         return method.name
     drafts = block - 1 if method.drafts is None else method.drafts
     if drafts + 1 <= query_rows:
@@ -908,7 +946,7 @@ def method_within_query_rows(name: str, block: int, query_rows: int | None) -> s
     if method.drafts is not None:
         raise SpecjaxError(f"method {name!r} verifies {drafts + 1} rows, more than the target's query_rows "
                            f"({query_rows}); use at most {query_rows - 1} drafts or raise --query-rows")
-    return f"{method.name}:{query_rows - 1}"
+    return method.limited_to(query_rows - 1)
 
 
 def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None) -> SlotMethod:

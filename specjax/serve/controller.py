@@ -35,13 +35,18 @@ Nothing here touches devices or HTTP: the scheduler feeds it numbers and asks fo
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from specjax.errors import SpecjaxError, check_at_least
 from specjax.decode.slots import slot_method
+
+log = logging.getLogger("specjax.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,15 +399,38 @@ class Controller:
                 "acceptance": [float(c) if seen else None for c, seen in zip(self.acceptance, self.acceptance_seen)],
                 "observed_tau": dict(self.observed_tau)}
 
-    def load_priors(self, priors: dict) -> None:
+    def load_priors(self, priors: dict) -> bool:
         """Start from an earlier run's acceptance in place of the 0.5 no-opinion prior. They stay
-        priors: the first observation of each position replaces its value outright."""
+        priors: the first observation of each position replaces its value outright. False when
+        they are for another block size, and so ignored."""
         if priors.get("block") != self.block:
-            return
+            return False
         for j, value in enumerate(priors.get("acceptance", [])[: len(self.acceptance)]):
             if value is not None:
                 self.acceptance[j] = value
         self.observed_tau.update({p: t for p, t in priors.get("observed_tau", {}).items() if p in self.policies})
+        return True
+
+    def load_priors_file(self, path: Path) -> bool:
+        """load_priors from a file save_priors_file wrote; False if there is none, or it is damaged
+        (a lost prior, not an error) or ignored."""
+        try:
+            return self.load_priors(json.loads(path.read_text()))
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def save_priors_file(self, path: Path) -> None:
+        """Keep this run's acceptance for the next start (nothing when no call was observed); the
+        file is replaced whole, so a crash mid-write leaves the last one."""
+        if not self.calls:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(self.priors()))
+            partial.replace(path)
+        except OSError:
+            log.warning("could not keep the controller's acceptance in %s", path, exc_info=True)
 
     def choose_start(self, rows: int, attend: int) -> str:
         """Once every policy is ready and timed: serve first the one predicted fastest at this shape,
