@@ -27,6 +27,18 @@ def test_every_public_name_resolves_and_unknown_ones_fail():
     assert set(specjax.methods()) >= {"ar", "chain", "tree", "ngram", "auto"}
 
 
+def test_the_package_ships_its_type_marker():
+    """PEP 561: type checkers read specjax's annotations only when py.typed is installed with it."""
+    from importlib.resources import files
+
+    assert files("specjax").joinpath("py.typed").is_file()
+    import tomllib
+    from pathlib import Path
+
+    data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "py.typed" in data["tool"]["setuptools"]["package-data"]["specjax"]
+
+
 def test_generate_takes_text_messages_and_ids_and_speculation_returns_ars_tokens(llm):
     prompts = ["the cat sat", "the dog ran to"]
     ar = llm.generate(prompts, 12, method="ar", ignore_eos=True)
