@@ -27,6 +27,7 @@ _EXPORTS = {
     "Request": "specjax.serve.requests", "ControllerConfig": "specjax.serve.controller",
     "DistillRecipe": "specjax.train.recipe", "RefinerRecipe": "specjax.train.refiner",
     "CompressorRecipe": "specjax.train.compressor", "SpecjaxError": "specjax.errors",
+    "HELDOUT_CHAT_PROMPTS": "specjax.data.prompts",
 }
 # Public name -> (module, name there), for the recipes whose functions carry longer names.
 _RENAMED = {

@@ -64,12 +64,15 @@ class LLM:
     """A target model, its drafter (and refiner), and one Engine that keeps the compiled programs."""
 
     def __init__(self, model: str = "smollm2", *, drafter: str | None = "default", refiner: str | None = "default",
-                 dtype: str = "auto", kv_dtype: str = "auto", query_rows: str | int = "auto"):
+                 dtype: str = "auto", kv_dtype: str = "auto", query_rows: str | int = "auto",
+                 latency_cache: bool = True):
         """model: a known name (`specjax models`), an HF folder or a .gguf file.
         drafter: "default" (the committed drafter of a known model), a DFlash-format folder, or None
         (AR and ngram only). refiner: "default", a refiner folder, or None (for the +refiner methods).
         dtype, kv_dtype, query_rows: as the CLI's --dtype, --kv-dtype and --query-rows ("auto":
-        float32 on CPUs without native bf16, and bf16 steps padded so speculation stays exact)."""
+        float32 on CPUs without native bf16, and bf16 steps padded so speculation stays exact).
+        latency_cache: keep the tree budget rule's measured verify costs on disk per machine, model
+        and shape (False: measure them afresh in this process)."""
         from specjax.decode.engine import Engine
         from specjax.decode.parts import PartsSpec, resolve_parts
         from specjax.io.registry import (DEFAULT_DRAFTERS, DEFAULT_REFINERS, compute_dtype, load_model, with_kv_dtype,
@@ -86,11 +89,18 @@ class LLM:
         parts = resolve_parts(needs, self.model, model, PartsSpec(drafter=drafter or "default",
                                                                   refiner=refiner or "default"))
         self.drafter, self.refiner = parts.drafter, parts.refiner
-        self.engine = Engine(self.model, self.drafter, refiner=self.refiner)
+        self.engine = Engine(self.model, self.drafter, refiner=self.refiner, latency_cache=latency_cache)
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
+
+    @property
+    def latency_models(self) -> dict:
+        """The tree budget rule's latency models (decode/budget.py LatencyModel) by decode shape:
+        verify costs measured at first use (`sizes`, `prior_verify_s`, `prior_fixed_s`) and refitted
+        from each call's wall time (`verify_s`, `fixed_s`)."""
+        return dict(self.engine.latency_models)
 
     def __repr__(self) -> str:
         drafter = "no drafter" if self.drafter is None else \
@@ -187,19 +197,29 @@ class LLM:
                 shown = text
         thread.join()
 
-    def bench(self, prompts: Sequence[Prompt] | None = None, methods: Sequence[str] = ("ar", "chain", "tree"),
+    def bench(self, prompts: Sequence[Prompt] | None = None,
+              methods: Sequence[str] | dict[str, str | tuple[str, dict]] = ("ar", "chain", "tree"),
               max_tokens: int = 64, *, temperature: float = 0.0, seed: int = 0, repeats: int = 1, chat: bool | None = None,
               progress: bool = True, **options) -> BenchReport:
         """Every method on the same prompts (default: the built-in held-out chat prompts), measured
         side by side on this machine: tokens/s, speedup against AR, tau, and whether the output is
-        AR's. options: per-method configs keyed by method, as decode/bench.py's run_bench takes."""
+        AR's. methods: method names, or labelled variants {label: method or (method, generate
+        options)}, e.g. {"ar": "ar", "refined x2": ("chain+refiner", {"refine": RefineConfig(2)})};
+        the one labelled "ar", if any, is the baseline. options: per-method generate options keyed by method
+        name, for plain method names."""
         from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-        from specjax.decode.bench import run_bench
+        from specjax.decode.bench import Variant, run_variants
 
         ids = self._batch(list(HELDOUT_CHAT_PROMPTS) if prompts is None else prompts, chat)
-        report = run_bench(self.engine, ids, list(methods), max_tokens,
-                           SamplingConfig(temperature=temperature), seed=seed, repeats=repeats, progress=progress,
-                           options=options or None)
+        if not isinstance(methods, dict):
+            methods = {m: (m, options.get(m, {})) for m in methods}
+        variants = []
+        for label, spec in methods.items():
+            method, extra = (spec, {}) if isinstance(spec, str) else spec
+            variants.append(Variant(label, self.engine, method, tuple(sorted(extra.items()))))
+        report = run_variants(variants, ids, max_tokens, SamplingConfig(temperature=temperature), seed=seed,
+                              repeats=repeats, progress=progress)
+        report["precision"] = self.engine.precision
         return BenchReport(report)
 
     def server(self, slots: int = 8, method: str = "adaptive", **config):

@@ -1012,7 +1012,32 @@ def _add_refiner_options(parser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding with block-diffusion drafters, in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_command(sub)
+    _add_bench_command(sub)
+    _add_demo_command(sub)
+    _add_memory_command(sub)
+    _add_serve_command(sub)
+    _add_bench_serve_command(sub)
+    _add_cache_command(sub)
+    _add_top_command(sub)
+    _add_report_command(sub)
+    _add_models_command(sub)
+    _add_data_command(sub)
+    _add_train_lm_command(sub)
+    _add_train_drafter_command(sub)
+    _add_train_refiner_command(sub)
+    _add_train_compressor_command(sub)
+    return parser
 
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_generate_command(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="a known name (smollm2), an HF folder or a .gguf file")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch); chat template applied unless --no-chat")
@@ -1031,16 +1056,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_window_options(gen)
     _add_retrieval_options(gen)
     _add_dtype_option(gen)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
-    gen.add_argument("--seed", type=int, default=0)
+    _add_sampling_options(gen)
     gen.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens tokens")
     gen.add_argument("--no-chat", action="store_true", help="use --prompt text as is, without the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     _add_mesh_options(gen)
     gen.set_defaults(func=cmd_generate, parser=gen)
 
+
+def _add_bench_command(sub) -> None:
     bench = sub.add_parser("bench", help="compare decoding methods on the same prompts, in one process")
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--drafter", default="default")
@@ -1057,22 +1081,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: built-in held-out "
                        "chat prompts. A .jsonl whose lines all carry a \"category\" is also reported per category")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--top-k", type=int, default=0)
-    bench.add_argument("--top-p", type=float, default=1.0)
-    bench.add_argument("--seed", type=int, default=0)
+    _add_sampling_options(bench)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--no-chat", action="store_true")
     bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     _add_mesh_options(bench)
     bench.set_defaults(func=cmd_bench, parser=bench)
 
+
+def _add_demo_command(sub) -> None:
     demo = sub.add_parser("demo", help="speculative decoding with SmolLM2 and its drafter (chain, refined chain, "
                                        "draft trees), against autoregressive")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     _add_dtype_option(demo)
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_memory_command(sub) -> None:
     mem = sub.add_parser("memory", help="KV and drafter-state bytes against context length, full against windowed "
                                         "drafter attention, with measured peaks")
     mem.add_argument("--model", default=DEFAULT_MODEL)
@@ -1091,6 +1116,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--json", action="store_true", help="print the report as one JSON object")
     mem.set_defaults(func=cmd_memory)
 
+
+def _add_serve_command(sub) -> None:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and live metrics")
     srv.add_argument("--model", default=DEFAULT_MODEL)
     srv.add_argument("--drafter", default="default")
@@ -1144,6 +1171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_options(srv)
     srv.set_defaults(func=cmd_serve, parser=srv)
 
+
+def _add_bench_serve_command(sub) -> None:
     bs = sub.add_parser("bench-serve", help="load-test a running specjax (or any OpenAI-compatible) server on loopback")
     bs.add_argument("--url", default="http://127.0.0.1:8000")
     bs.add_argument("--prompts-file", help="prompts (.txt lines, .json list, .jsonl); default: the held-out chat prompts")
@@ -1166,15 +1195,21 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bs.set_defaults(func=cmd_bench_serve)
 
+
+def _add_cache_command(sub) -> None:
     cache = sub.add_parser("cache", help="the persistent compilation cache: where it is and its size, or clear it")
     cache.add_argument("action", nargs="?", choices=("info", "clear"), default="info")
     cache.set_defaults(func=cmd_cache)
 
+
+def _add_top_command(sub) -> None:
     top = sub.add_parser("top", help="live terminal dashboard of a running server (tau, acceptance, KV, latency, queue)")
     top.add_argument("--url", default="http://127.0.0.1:8000")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.set_defaults(func=cmd_top)
 
+
+def _add_report_command(sub) -> None:
     rep = sub.add_parser("report", help="plot a serving run's log (serve --metrics-log): acceptance, policy, KV "
                                         "bytes and load over time, latency against load")
     rep.add_argument("log", help="the run log, a JSON-lines file written by `specjax serve --metrics-log`")
@@ -1183,15 +1218,21 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     rep.set_defaults(func=cmd_report)
 
+
+def _add_models_command(sub) -> None:
     models = sub.add_parser("models", help="list the known model names")
     models.set_defaults(func=cmd_models)
 
+
+def _add_data_command(sub) -> None:
     data = sub.add_parser("data", help="fetch the public-domain corpora (sha256-checked)")
     data.add_argument("action", choices=["fetch"])
     data.add_argument("--corpus", action="append", help="corpus name (repeatable; default all)")
     data.add_argument("--json", action="store_true")
     data.set_defaults(func=cmd_data)
 
+
+def _add_train_lm_command(sub) -> None:
     lm = sub.add_parser("train-lm", help="train a small target LM from scratch on the corpora")
     lm.add_argument("--corpus", action="append", default=None, help="corpus name (repeatable; default shakespeare)")
     lm.add_argument("--out", required=True, help="run folder (checkpoints, metrics, model/); rerun to resume")
@@ -1208,6 +1249,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_options(lm)
     lm.set_defaults(func=cmd_train_lm)
 
+
+def _add_train_drafter_command(sub) -> None:
     td = sub.add_parser("train-drafter", help="distil a block-diffusion drafter from a target (rerun to resume)")
     td.add_argument("--model", default=DEFAULT_MODEL)
     td.add_argument("--out", required=True, help="run folder: data/, run/ (checkpoints, metrics), drafter/")
@@ -1260,6 +1303,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_options(td)
     td.set_defaults(func=cmd_train_drafter)
 
+
+def _add_train_refiner_command(sub) -> None:
     tr = sub.add_parser("train-refiner", help="train a causal refiner for a frozen drafter (rerun to resume)")
     tr.add_argument("--model", default=DEFAULT_MODEL)
     tr.add_argument("--drafter", default="default", help="the drafter to refine: default or a DFlash-format folder")
@@ -1283,6 +1328,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_options(tr)
     tr.set_defaults(func=cmd_train_refiner)
 
+
+def _add_train_compressor_command(sub) -> None:
     tc = sub.add_parser("train-compressor", help="train the segment compressor of windowed drafting for a frozen "
                                                  "drafter, on long documents (rerun to resume)")
     tc.add_argument("--model", default=DEFAULT_MODEL)
@@ -1300,7 +1347,6 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--json", action="store_true")
     _add_mesh_options(tc)
     tc.set_defaults(func=cmd_train_compressor)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,11 @@ def test_bench_and_server(llm):
     report = llm.bench(["the cat sat"], methods=("ar", "chain"), max_tokens=8, progress=False)
     assert report["methods"]["chain"]["identical_to_ar"] is True
     assert "chain" in str(report) and "tokens/s" in str(report)
+    labelled = llm.bench(["the cat sat"], {"ar": "ar", "refined x2": ("chain+refiner", {"refine": specjax.RefineConfig(2)})},
+                         max_tokens=8, progress=False)
+    assert list(labelled["methods"]) == ["ar", "refined x2"]
+    assert labelled["methods"]["refined x2"]["identical_to_ar"] is True
+    assert labelled["methods"]["refined x2"]["refine_passes"] > 1.0  # the option reached generate
     server = llm.server(slots=2, method="chain", context_length=128, max_new_tokens=16)
     try:
         [expected] = llm.generate("the dog ran to", 8, method="ar")

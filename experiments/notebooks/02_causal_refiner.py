@@ -46,19 +46,12 @@ REFINE_PASSES = (1, 2)       # refinement passes per block to compare (each comp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-from specjax.decode.bench import Variant, format_table, run_variants
-from specjax.decode.engine import Engine
-from specjax.decode.refine import RefineConfig
-from specjax.io.registry import at_compute_dtype, resolve_drafter, resolve_refiner
-from specjax.notebook import load_target, summary
+import specjax
+from specjax.notebook import summary
 
-model = load_target(ENV)
-drafter = at_compute_dtype(resolve_drafter("default", "smollm2"), ENV.dtype)
-refiner = resolve_refiner("default", "smollm2")
-engine = Engine(model, drafter, refiner=refiner)
-prompts = [model.tokenizer.encode_chat(t) for t in HELDOUT_CHAT_PROMPTS[:PROMPTS]]
-print(f"refiner: {refiner.config.kind}, paired with the drafter it was trained for")
+llm = specjax.LLM("smollm2", dtype=ENV.dtype)  # the committed drafter and its refiner come with it
+prompts = list(specjax.HELDOUT_CHAT_PROMPTS[:PROMPTS])
+print(f"refiner: {llm.refiner.config.kind}, paired with the drafter it was trained for")
 
 # %% [markdown]
 # ## Chains with and without the refiner, side by side
@@ -66,11 +59,11 @@ print(f"refiner: {refiner.config.kind}, paired with the drafter it was trained f
 # alike); `identical` compares each output with greedy autoregressive decoding.
 
 # %%
-variants = [Variant("ar", engine, "ar"), Variant("chain", engine, "chain")]
-variants += [Variant(f"refined x{n}", engine, "chain+refiner", (("refine", RefineConfig(max_passes=n)),))
-             for n in REFINE_PASSES]
-report = run_variants(variants, prompts, MAX_NEW_TOKENS, progress=False)
-print(format_table(report))
+variants = {"ar": "ar", "chain": "chain"}
+variants |= {f"refined x{n}": ("chain+refiner", {"refine": specjax.RefineConfig(max_passes=n)})
+             for n in REFINE_PASSES}
+report = llm.bench(prompts, variants, MAX_NEW_TOKENS, progress=False)
+print(report)
 for label, entry in report["methods"].items():
     if label != "ar":
         print(f"{label:>12}: identical to AR: {entry['identical_to_ar']}"

@@ -48,17 +48,12 @@ AUTO_BUCKETS = None               # sizes the budget rule may pick from; None: t
 import matplotlib.pyplot as plt
 import numpy as np
 
-from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-from specjax.decode.bench import Variant, format_table, run_variants
-from specjax.decode.engine import Engine
-from specjax.decode.tree import TreeConfig
-from specjax.io.registry import at_compute_dtype, resolve_drafter
-from specjax.notebook import load_target, summary
+import specjax
+from specjax.notebook import summary
 
-model = load_target(ENV)
-drafter = at_compute_dtype(resolve_drafter("default", "smollm2"), ENV.dtype)
-engine = Engine(model, drafter, latency_cache=False)  # measure the costs afresh, in this process
-prompts = [model.tokenizer.encode_chat(t) for t in HELDOUT_CHAT_PROMPTS[:PROMPTS]]
+# latency_cache=False: measure the verify costs afresh, in this process
+llm = specjax.LLM("smollm2", dtype=ENV.dtype, latency_cache=False)
+prompts = list(specjax.HELDOUT_CHAT_PROMPTS[:PROMPTS])
 
 # %% [markdown]
 # ## Trees sized by the budget rule against fixed sizes, side by side
@@ -66,16 +61,16 @@ prompts = [model.tokenizer.encode_chat(t) for t in HELDOUT_CHAT_PROMPTS[:PROMPTS
 # on disk per machine, model and shape) and refits it online from each decode call's wall time.
 
 # %%
-auto_tree = TreeConfig() if AUTO_BUCKETS is None else TreeConfig(buckets=tuple(AUTO_BUCKETS))
-variants = [Variant("ar", engine, "ar"), Variant("tree (auto)", engine, "tree", (("tree", auto_tree),))]
-variants += [Variant(f"tree {n}", engine, "tree", (("tree", TreeConfig(budget=n)),)) for n in FIXED_SIZES]
-report = run_variants(variants, prompts, MAX_NEW_TOKENS, progress=False)
-print(format_table(report))
+auto_tree = specjax.TreeConfig() if AUTO_BUCKETS is None else specjax.TreeConfig(buckets=tuple(AUTO_BUCKETS))
+variants = {"ar": "ar", "tree (auto)": ("tree", {"tree": auto_tree})}
+variants |= {f"tree {n}": ("tree", {"tree": specjax.TreeConfig(budget=n)}) for n in FIXED_SIZES}
+report = llm.bench(prompts, variants, MAX_NEW_TOKENS, progress=False)
+print(report)
 auto = report["methods"]["tree (auto)"]
 print("identical to AR:", {m: e["identical_to_ar"] for m, e in report["methods"].items() if m != "ar"})
 
 # %%
-(latency,) = engine.latency_models.values()  # the auto tree's model: measured, then refitted
+(latency,) = llm.latency_models.values()  # the auto tree's model: measured, then refitted
 sizes = np.asarray(latency.sizes)
 verify_ms, refitted_ms = 1e3 * np.asarray(latency.prior_verify_s), 1e3 * np.asarray(latency.verify_s)
 picked = {int(k): v for k, v in auto["tree_bucket_counts"].items()}
