@@ -1,5 +1,5 @@
 """Candidates per depth and tree budget against tau and tokens/s on SmolLM2 (batch 1, greedy,
-12 held-out prompts, one process). Run B of the issue-5 section of BENCHMARKS.md:
+12 held-out prompts, one process). Run B of docs/notes/2026-12-03-draft-trees.md:
 
     python experiments/tree_topk_probe.py
 """

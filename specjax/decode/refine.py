@@ -31,7 +31,7 @@ class RefineConfig:
 
     max_passes: int = 1
     """Upper bound on passes per block (0 turns refinement off). One pass measured best for the
-    SmolLM2 refiner on CPU (BENCHMARKS.md): more passes raised tau by under 1% for 2-4x the
+    SmolLM2 refiner on CPU (docs/notes/2026-12-02-refiner-design.md): more passes raised tau by under 1% for 2-4x the
     refinement time."""
     adaptive: bool = True
     """Stop as soon as a pass changes no draft token in any row."""

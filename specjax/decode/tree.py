@@ -66,7 +66,7 @@ class TreeConfig:
     (then the only bucket)."""
     top_k: int = 16
     """Candidate tokens per depth for best-first trees. With the SmolLM2 drafter, 16-node trees
-    measured tau 1.506 at 8 candidates and 1.548 at 16 or 32 (BENCHMARKS.md)."""
+    measured tau 1.506 at 8 candidates and 1.548 at 16 or 32 (docs/notes/2026-12-03-draft-trees.md, run B)."""
     width: int = 2
     """Tokens per depth of the fixed-shape tree."""
 
@@ -102,8 +102,8 @@ class TreeConfig:
         would have shapes no AR step has, so a fixed tree larger than W is refused. An auto tree
         verifies its largest bucket up to W every step: every bucket runs the same W-row forward,
         so a smaller one saves only the work outside it, and choosing between them costs more than
-        it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; BENCHMARKS.md, "Trees under
-        padded query rows"): a 16-node step took 17-22% more than a 1-node one and committed 2.07
+        it saves. Measured in bf16 on SmolLM2 at batch 1 (W = 16; docs/notes/2026-12-06-query-rows-probe.md,
+        "Trees under padded query rows"): a 16-node step took 17-22% more than a 1-node one and committed 2.07
         tokens against 1.37 for 2 nodes, and the auto tree choosing among 1..16 ran at 1.06-1.36x
         AR in six runs against the fixed 16's 1.43-1.48x. Chains are fitted the same way by
         slots.method_within_query_rows."""

@@ -242,10 +242,10 @@ NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 bf16 with float32 accumulation is the fastest precision for speculation: bf16 trees padded to 8 query
 rows for exactness ran 1.10x the fastest AR of either precision (float32 in that run) and 1.29x
 one-row bf16 AR in another run, where float32 chains and trees ran 0.93-0.96x float32 AR
-(BENCHMARKS.md, "Fewer padded query rows"). AR alone is about even between the two (one-row bf16
-0.89x and 1.15x float32 in two runs). On an AVX2 EPYC, without such instructions, an
-8-row bf16 forward took 1.13x a one-row float32 one (BENCHMARKS.md, "The verify-cost curve"), so
-float32 stays the default there."""
+(docs/notes/2026-12-06-query-rows-probe.md, "Fewer padded query rows"). AR alone is about even
+between the two (one-row bf16 0.89x and 1.15x float32 in two runs). On an AVX2 EPYC, without such
+instructions, an 8-row bf16 forward took 1.13x a one-row float32 one
+(docs/notes/2026-12-05-verify-cost-curves.md), so float32 stays the default there."""
 
 
 def native_bf16_cpu(cpuinfo: str | None = None) -> bool:
@@ -294,7 +294,7 @@ slots.method_within_query_rows, TreeConfig.within_query_rows), so AR and verify 
 computation by construction. 8, the committed (v4) drafter's block, rather than 16 (v3's): a
 padded AR step costs less, and a smaller verify lost little. Measured side by side on SmolLM2 with
 the committed drafter, 12 held-out chat prompts x 128 tokens, against bf16 AR without padding
-(experiments/query_rows_probe.py, BENCHMARKS.md "Fewer padded query rows"): W = 3, 4 and 8 gave
+(experiments/query_rows_probe.py, docs/notes/2026-12-06-query-rows-probe.md): W = 3, 4 and 8 gave
 AR 0.97 / 0.91 / 0.83x, trees of W nodes 1.21 / 1.28 / 1.29x and chains 1.21 / 1.24 / 1.17x;
 W = 16 gave trees 1.06x (six prompts).
 float32 keeps single-row steps (auto = off): its step-versus-pass differences are an ulp, 5e-5 in

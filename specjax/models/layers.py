@@ -230,9 +230,9 @@ def stacked_heads_pays(batch: int, num_new: int, num_kv: int) -> bool:
     the cache's leading ones, so it copies each layer's whole [B, S, K, D] cache into [B, K, S, D]
     order first, every step. With 16 or more rows of one token the stacked form was faster in float32
     (1.6-1.8x a layer at 16, 32 and 128 rows, SmolLM2's heads) and mostly in bf16 (1.1-1.6x; 0.87x
-    once, at 64 rows): experiments/attention_forms.py, BENCHMARKS.md. With one row, or a verify block
-    of many tokens, the per-head form was as fast or faster; on GPU and TPU the stacked form's K-fold
-    products would be waste."""
+    once, at 64 rows): experiments/attention_forms.py, docs/notes/2026-12-06-generator-throughput.md.
+    With one row, or a verify block of many tokens, the per-head form was as fast or faster; on GPU
+    and TPU the stacked form's K-fold products would be waste."""
     return jax.default_backend() == "cpu" and num_new == 1 and batch >= STACKED_HEADS_MIN_BATCH and num_kv <= 4
 
 

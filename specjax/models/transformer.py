@@ -3,7 +3,7 @@
 Functional use: `params = init_params(config, rng)` and `forward(params, config, ...)` are pure, so
 they sit inside `jit` and `lax.while_loop`. The layers are unrolled in Python rather than scanned:
 on a 2-core CPU an unrolled 30-layer SmolLM2 decode step measured about 1.7x faster than a
-`lax.scan` over stacked layers (see BENCHMARKS.md), and every layer keeps its own params subtree,
+`lax.scan` over stacked layers (see docs/notes/2026-12-02-ar-decoding.md), and every layer keeps its own params subtree,
 which also mirrors the HF checkpoint layout one to one.
 """
 
