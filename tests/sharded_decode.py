@@ -68,7 +68,7 @@ def main(job_path: str) -> None:
                            for p in job["prompts"]]
                 results[mesh_text][f"serve:{method}"] = [h.result(timeout=300).token_ids for h in handles]
                 # Slots over data and fsdp, KV heads over model: one device's slice of the target's keys.
-                keys = scheduler._state.target_cache.keys[0]
+                keys = scheduler.table.state.target_cache.keys[0]
                 results[mesh_text][f"serve:{method}:kv_shard"] = list(keys.addressable_shards[0].data.shape)
                 results[mesh_text][f"serve:{method}:kv_shape"] = list(keys.shape)
             finally:

@@ -463,28 +463,28 @@ def test_a_request_that_does_not_fit_beside_a_running_one_waits(target, drafter)
 
     second_request = Request(prompts[1], max_tokens=limits[1])
     for filled in (len(long_prompt) + 1, 8):
-        scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=min(filled, len(long_prompt)))}
-        scheduler.kv.lengths[0] = filled
-        assert not scheduler._memory_allows([], second_request, 0), filled
-    scheduler._live = {}
-    assert scheduler._memory_allows([], second_request, 0)  # alone, it is admitted
+        scheduler.table.live = {0: _Live(first, 0.0, admitted=0.0, prefilled=min(filled, len(long_prompt)))}
+        scheduler.table.kv.lengths[0] = filled
+        assert not scheduler.admission.memory_allows([], second_request, 0), filled
+    scheduler.table.live = {}
+    assert scheduler.admission.memory_allows([], second_request, 0)  # alone, it is admitted
 
     # A request parked by a preemption (its row on the host) that does not fit yet stays parked at the
     # head of the queue: it is neither prefilled from scratch nor overtaken, though its prompt alone
     # would fit.
     from specjax.serve.requests import RequestHandle
 
-    scheduler._live = {0: _Live(first, 0.0, admitted=0.0, prefilled=len(long_prompt))}
-    scheduler.kv.lengths[0] = len(long_prompt)
+    scheduler.table.live = {0: _Live(first, 0.0, admitted=0.0, prefilled=len(long_prompt))}
+    scheduler.table.kv.lengths[0] = len(long_prompt)
     parked = RequestHandle(99, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
-    row = jax.device_get(scheduler.programs.program("take_row")(scheduler._state, 1))
+    row = jax.device_get(scheduler.programs.program("take_row")(scheduler.table.state, 1))
     parked._parked = (row.replace(num_generated=np.int32(20), lengths=np.int32(22)), _Live(parked, 0.0, 0.0))
     behind = RequestHandle(100, Request(prompts[1][:2], max_tokens=limits[1]), scheduler)
-    scheduler._waiting.extend([(parked, 0.0), (behind, 0.0)])
-    assert scheduler._memory_allows([], parked.request, 0) and not scheduler._memory_allows([], parked.request, 20)
-    scheduler._admit()
-    assert list(scheduler._live) == [0] and parked._parked is not None
-    assert [h for h, _ in scheduler._waiting] == [parked, behind]
+    scheduler.table.waiting.extend([(parked, 0.0), (behind, 0.0)])
+    assert scheduler.admission.memory_allows([], parked.request, 0) and not scheduler.admission.memory_allows([], parked.request, 20)
+    scheduler.admission.admit()
+    assert list(scheduler.table.live) == [0] and parked._parked is not None
+    assert [h for h, _ in scheduler.table.waiting] == [parked, behind]
 
 
 def test_memory_relief_drops_drafter_states_before_it_preempts():

@@ -93,12 +93,12 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(target, drafte
     prompt nearly fills the 64-slot cache: a padded last chunk at offset 48 would run off its end."""
     scheduler = Scheduler(target, drafter, _config("chain", prefill_chunk=24), compile_now=False)
     chunks: list[tuple[int, int]] = []  # (request id, tokens prefilled after the call)
-    prefill = scheduler._prefill
+    prefill = scheduler.admission.prefill
 
     def counted(batch):
         prefill(batch)
         chunks.extend((live.handle.id, live.prefilled) for _, live in batch)
-    monkeypatch.setattr(scheduler, "_prefill", counted)
+    monkeypatch.setattr(scheduler.admission, "prefill", counted)
     prompts = [[(7 * i + j) % TINY.vocab_size for j in range(n)] for i, n in enumerate((11, 50, 3, 30))]
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=8, temperature=0.0)) for p in prompts]
@@ -137,13 +137,14 @@ def test_waiting_requests_are_prefilled_together(target, drafter, monkeypatch):
     decodes exactly as it would alone."""
     scheduler = Scheduler(target, drafter, _config("chain", slot_count=3, insert_rows=3), compile_now=False)
     calls = []
-    prefill = scheduler._prefill
-    monkeypatch.setattr(scheduler, "_prefill", lambda batch: (calls.append(len(batch)), prefill(batch)))
-    admit = scheduler._admit
-    monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission while the queue fills
+    admission = scheduler.admission
+    prefill = admission.prefill
+    monkeypatch.setattr(admission, "prefill", lambda batch: (calls.append(len(batch)), prefill(batch)))
+    admit = admission.admit
+    monkeypatch.setattr(admission, "admit", lambda: False)  # hold admission while the queue fills
     try:
         handles = [scheduler.submit(Request(tuple(p), max_tokens=12, temperature=0.0)) for p in PROMPTS[:3]]
-        monkeypatch.setattr(scheduler, "_admit", admit)
+        monkeypatch.setattr(admission, "admit", admit)
         scheduler._wake()
         results = [h.result(timeout=120).token_ids for h in handles]
     finally:
@@ -330,7 +331,7 @@ def test_row_filters_match_the_static_sampling_filters():
 def test_cancel_frees_the_slot_and_a_full_queue_refuses(target, monkeypatch):
     scheduler = Scheduler(target, None, _config("ar", max_queue=2), compile_now=False)
     try:
-        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission: the queue fills
+        monkeypatch.setattr(scheduler.admission, "admit", lambda: False)  # hold admission: the queue fills
         first = scheduler.submit(Request((1, 2), max_tokens=24, temperature=0.0))
         waiting = [scheduler.submit(Request((3,), max_tokens=24, temperature=0.0))]
         with pytest.raises(QueueFull, match="max_queue 2"):
@@ -615,7 +616,7 @@ def test_a_full_queue_answers_429_with_retry_after(target, monkeypatch):
 
     scheduler = Scheduler(target, None, _config("ar", max_queue=1), compile_now=False)
     try:
-        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission so the queue stays full
+        monkeypatch.setattr(scheduler.admission, "admit", lambda: False)  # hold admission so the queue stays full
         queued = scheduler.submit(Request((1, 2), max_tokens=4, temperature=0.0))
         response = TestClient(create_app(scheduler)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
         assert response.status_code == 429 and response.headers["retry-after"] == "1"
@@ -865,7 +866,7 @@ def test_a_client_that_disconnects_cancels_its_request(target, monkeypatch):
     scheduler = Scheduler(target, None, _config("ar"), compile_now=False)
     url, stop = _serve_in_thread(scheduler)
     try:
-        monkeypatch.setattr(scheduler, "_admit", lambda: None)  # hold admission: the request waits
+        monkeypatch.setattr(scheduler.admission, "admit", lambda: False)  # hold admission: the request waits
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 8, "temperature": 0}, timeout=1.0)
         deadline = time.time() + 20

@@ -869,6 +869,11 @@ class SlotMethod:
         return self.name.partition(":")[0]
 
     @property
+    def speculates(self) -> bool:
+        """Drafts and verifies (every method but ar): a row limited to 0 drafts decodes as ar does."""
+        return self.needs_drafter or self.needs_retrieval or self.needs_ngram
+
+    @property
     def takes_draft_limit(self) -> bool:
         """A block method: "family:K" verifies K drafts of its block (BLOCK_METHODS)."""
         return self.family in BLOCK_METHODS

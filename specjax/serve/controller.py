@@ -69,7 +69,7 @@ class ControllerConfig:
     `margin`, so near a tie the controller settles on less speculation: the step timings it compares
     leave out costs only speculation pays (building the drafter's context at prefill, burstier
     token delivery), and in a bf16 sweep on 8 slots a chain chosen on a 3% predicted lead served 12%
-    fewer tokens than AR (BENCHMARKS.md, the bf16 rate sweep)."""
+    fewer tokens than AR (docs/notes/2026-12-06-adaptive-serving.md, "The rate sweep in bf16 with the v4 drafter")."""
     patience: int = 3
     """Consecutive decisions a challenger must win before the switch."""
     probe_every: int = 48
@@ -127,7 +127,7 @@ class ControllerConfig:
         costs what the longest chain within them costs and accepts no more, while a tree of that
         many nodes costs the same step too and accepts more: the default set then is ar, that chain
         and that tree. Measured on a bf16 server padded to 8 rows with the block-8 drafter
-        (BENCHMARKS.md, "Adaptive serving on padded bf16"): chain:3 took 1,584 of 3,428 adaptive
+        (docs/notes/2026-12-06-adaptive-serving.md, "Adaptive serving on padded bf16"): chain:3 took 1,584 of 3,428 adaptive
         steps while chain was the best fixed policy at three of four loads; in a later sweep the
         tree was the best fixed policy at every load, and adaptive without it reached 0.93-0.99x its
         throughput at 1.08-1.19x its p50 TPOT."""
@@ -135,7 +135,7 @@ class ControllerConfig:
             return tuple(dict.fromkeys(self.policies))
         if query_rows is not None:
             return ("ar", "chain", "tree")
-        tiers = tuple(f"chain:{k}" for k in (3, 7) if k < block - 1)
+        tiers = tuple(slot_method("chain").limited_to(k) for k in (3, 7) if k < block - 1)
         return ("ar",) + tiers + ("chain",)
 
 
@@ -261,8 +261,9 @@ class Controller:
         self.drafts = {p: self._drafts(p) for p in self.policies}
         # The longest chain measures every draft position's acceptance; trees and refined chains
         # (drafts None) are estimated from their own runs, so they start only when alone.
+        # Between a chain and its tier of as many drafts, the registry's own entry.
         start = config.start or max(self.policies, key=lambda p: (-1 if self.drafts[p] is None else self.drafts[p],
-                                                                  p == "chain"))
+                                                                  slot_method(p).drafts is None))
         if start not in self.policies:
             raise SpecjaxError(f"start policy {start!r} is not among the policies {self.policies}")
         self.current = start

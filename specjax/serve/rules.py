@@ -59,7 +59,7 @@ class RequestRules:
     def served_name(self, method: str | None) -> str | None:
         """A request's method as this server runs it: with a block-16 drafter, "chain" is "chain:7"
         on a target padded to 8 query rows (slots.method_within_query_rows)."""
-        if method is None or not self.has_drafter or method == "ar":
+        if method is None or not self.has_drafter or not slot_api.slot_method(method).speculates:
             return method
         return slot_api.method_within_query_rows(method, self.statics.block, self.model.config.query_rows)
 
@@ -75,7 +75,7 @@ class RequestRules:
             if method not in allowed:
                 raise SpecjaxError(f"method {method!r} is not served here; this server runs "
                                    f"{', '.join(sorted(allowed))}")
-        if not request.speculation or method == "ar":
+        if not request.speculation or (method is not None and not slot_api.slot_method(method).speculates):
             return 0
         drafts = None if method is None else slot_api.slot_method(method).drafts
         return no_limit if drafts is None else min(drafts, no_limit)
@@ -85,7 +85,7 @@ class RequestRules:
         "chain:K" the shortest compiled chain verifying at least K drafts (the row is limited to K).
         "ar" pins nothing: the row's limit of 0 makes it AR inside any step."""
         method = self.served_name(request.method)
-        if not adaptive or method is None or method == "ar":
+        if not adaptive or method is None or not slot_api.slot_method(method).speculates:
             return None
         if method in self.policies:
             return method
