@@ -523,12 +523,29 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _serve_config(args, policies: tuple[str, ...] | None = None):
+    """The ServeConfig of `specjax serve`'s flags (its defaults are ServeConfig's: tests/test_cli_errors.py)."""
+    from specjax.decode.rapid import RapidConfig
+    from specjax.serve.config import ServeConfig
+    from specjax.serve.controller import ControllerConfig
+
+    controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
+                                  else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None,
+                                  tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000)
+    config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
+                         max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
+                         max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
+                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
+                         snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
+                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
+                         preemption=args.preemption, ngram=_ngram_config(args))
+    return config
+
+
 def cmd_serve(args) -> int:
     """The OpenAI-compatible server: continuous batching over --slots slots, until Ctrl-C or SIGTERM."""
-    from specjax.serve.scheduler import Scheduler, ServeConfig
-
-    from specjax.decode.rapid import RapidConfig
     from specjax.serve.controller import ControllerConfig
+    from specjax.serve.scheduler import Scheduler
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
     if policies is not None and args.method != "adaptive":
@@ -545,16 +562,7 @@ def cmd_serve(args) -> int:
     _check_decode_args(args, methods)
     model = _load_target(args, served=True)
     parts = _parts_for(argparse.Namespace(**{**vars(args), "methods": ",".join(methods)}), model)
-    controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
-                                  else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None,
-                                  tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000)
-    config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
-                         max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
-                         max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
-                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
-                         snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
-                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
-                         preemption=args.preemption, ngram=_ngram_config(args))
+    config = _serve_config(args, policies)
     build = lambda: Scheduler(model, parts.drafter, config, metrics_log=args.metrics_log, refiner=parts.refiner,
                               mesh=_mesh(args))
     if args.compile_only:  # every program is now in the compilation cache: the next start loads them

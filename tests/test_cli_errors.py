@@ -238,3 +238,26 @@ def test_short_runs_have_a_learning_rate_schedule(steps):
         updates, state = optimizer.update({"w": jnp.ones((2, 2))}, state, params)
         params = optax.apply_updates(params, updates)
     assert bool(jnp.all(jnp.isfinite(params["w"])))
+
+
+def test_every_cli_default_is_its_configs_default():
+    """The flags build the frozen configs; with no flags given they must build the configs' own
+    defaults, so the CLI and the Python API cannot drift apart."""
+    from specjax.cli import _ngram_config, _refine_config, _retrieval_config, _serve_config, _tree_config
+    from specjax.data.retrieval import RetrievalConfig
+    from specjax.decode.ngram import NgramConfig
+    from specjax.decode.rapid import RapidConfig
+    from specjax.decode.refine import RefineConfig
+    from specjax.decode.tree import TreeConfig
+    from specjax.serve.config import ServeConfig
+
+    parser = cli.build_parser()
+    serve = parser.parse_args(["serve"])
+    assert _serve_config(serve) == ServeConfig()
+    for command in (["generate", "--prompt", "x"], ["bench"]):
+        args = parser.parse_args(command)
+        assert _tree_config(args) == TreeConfig(), command
+        assert _refine_config(args) == RefineConfig(), command
+        assert _retrieval_config(args) == RetrievalConfig(), command
+        assert _ngram_config(args) == NgramConfig(), command
+        assert RapidConfig(args.rapid_drafts, args.rapid_eta) == RapidConfig(), command
