@@ -222,14 +222,18 @@ class LLM:
         report["precision"] = self.engine.precision
         return BenchReport(report)
 
-    def server(self, slots: int = 8, method: str = "adaptive", **config):
+    def server(self, slots: int = 8, method: str = "adaptive", *, metrics_log: str | None = None,
+               compile_now: bool = True, **config):
         """A continuous-batching Scheduler over this model (what `specjax serve` runs, without HTTP):
         `handle = server.submit(specjax.Request(ids, max_tokens=64))`, then `handle.result()` or
-        iterate `handle` for its pieces. config: ServeConfig fields. Call `server.shutdown()` after."""
-        from specjax.serve.scheduler import Scheduler, ServeConfig
+        iterate `handle` for its pieces. config: ServeConfig fields. metrics_log: the run log
+        `specjax report` plots; compile_now=False: compile each program on first use. Call
+        `server.shutdown()` after."""
+        from specjax.serve.config import ServeConfig
+        from specjax.serve.scheduler import Scheduler
 
         return Scheduler(self.model, self.drafter, ServeConfig(method=method, slots=slots, **config),
-                         refiner=self.refiner)
+                         metrics_log=metrics_log, compile_now=compile_now, refiner=self.refiner)
 
     def _completions(self, ids: list[list[int]], result) -> list[Completion]:
         stats = result.stats

@@ -66,31 +66,28 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-from specjax.io.registry import at_compute_dtype, resolve_drafter
+import specjax
 from specjax.monitor.report import read_run_log, request_latencies, summarize
-from specjax.notebook import load_target, summary
-from specjax.serve.controller import ControllerConfig
-from specjax.serve.scheduler import Request, Scheduler, ServeConfig
+from specjax.notebook import summary
 from specjax.serve.top import parse_metrics, summarize as top_view
 
-model = load_target(ENV)
-drafter = at_compute_dtype(resolve_drafter("default", "smollm2"), ENV.dtype)
-texts = [HELDOUT_CHAT_PROMPTS[i % len(HELDOUT_CHAT_PROMPTS)] for i in range(REQUESTS)]
-prompts = [model.tokenizer.encode_chat(t) for t in texts]
-block = drafter.config.block_size
+llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None)
+texts = [specjax.HELDOUT_CHAT_PROMPTS[i % len(specjax.HELDOUT_CHAT_PROMPTS)] for i in range(REQUESTS)]
+prompts = [llm.encode(t) for t in texts]
+block = llm.drafter.config.block_size
 # Every slot holds its prompt, its answer and one verify step's writes. At these sizes that is at
 # most 128 cache slots: a single attention length, so every step shape is compiled at start-up.
 context = max(map(len, prompts)) + MAX_NEW_TOKENS + block + 1
-config = ServeConfig(method="adaptive", slots=SLOTS, context_length=context, max_new_tokens=MAX_NEW_TOKENS,
-                     steps_per_sync=4, controller=ControllerConfig(policies=POLICIES, probe_every=PROBE_EVERY),
-                     snapshot_every=0.05)  # a snapshot after (nearly) every device call
 run_dir = tempfile.TemporaryDirectory()
 run_log = Path(run_dir.name) / "run.jsonl"
 started = time.perf_counter()
 # compile_now=False: each policy's step is compiled (and timed, for the controller) here; the
 # prefill compiles on first use, so the warm-up below runs it before the burst.
-scheduler = Scheduler(model, drafter, config, metrics_log=str(run_log), compile_now=False)
+scheduler = llm.server(SLOTS, "adaptive", metrics_log=str(run_log), compile_now=False, context_length=context,
+                       max_new_tokens=MAX_NEW_TOKENS, steps_per_sync=4,
+                       controller=specjax.ControllerConfig(policies=POLICIES, probe_every=PROBE_EVERY),
+                       snapshot_every=0.05)  # a snapshot after (nearly) every device call
+config = scheduler.config
 print(f"{SLOTS} slots of {config.context_length} tokens; policies {', '.join(scheduler.policies)} "
       f"(block {block}: chain verifies {block - 1} drafts); ready in {time.perf_counter() - started:.1f} s")
 print("start-up cost of one call (4 steps), by live rows:")
@@ -111,12 +108,13 @@ for policy in scheduler.policies:
 
 # %%
 try:
-    for handle in [scheduler.submit(Request(tuple(p), max_tokens=1)) for p in prompts]:  # several rows at once
+    for handle in [scheduler.submit(specjax.Request(tuple(p), max_tokens=1)) for p in prompts]:  # several rows at once
         handle.result(timeout=600)
-    scheduler.submit(Request(tuple(prompts[0]), max_tokens=1)).result(timeout=600)  # and one alone
+    scheduler.submit(specjax.Request(tuple(prompts[0]), max_tokens=1)).result(timeout=600)  # and one alone
 
     burst_at = time.time()  # wall clock, as the run log records it
-    handles = [scheduler.submit(Request(tuple(p), max_tokens=MAX_NEW_TOKENS, temperature=0.0)) for p in prompts]
+    handles = [scheduler.submit(specjax.Request(tuple(p), max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+               for p in prompts]
     results = [h.result(timeout=1200) for h in handles]
     burst_s = time.time() - burst_at
     # What `specjax top` shows from /metrics, read from the same registry (counters since start-up).
@@ -235,13 +233,11 @@ print(f"tau {run['tau']:.2f}, TTFT p50 {1e3 * run['ttft_p50_s']:.0f} ms, TPOT p5
 # ## Served output against autoregressive decoding
 # Greedy speculative decoding commits exactly the target's greedy tokens, whatever policy each
 # device call ran and whoever shared the batch. Each prompt is decoded again, autoregressively,
-# by `Engine.generate` and compared token for token.
+# by `llm.generate` and compared token for token.
 
 # %%
 if CHECK_AR:
-    from specjax.decode.engine import Engine
-
-    reference = Engine(model).generate(prompts, MAX_NEW_TOKENS).tokens
+    reference = [c.token_ids for c in llm.generate(prompts, MAX_NEW_TOKENS, method="ar")]
     same = [r.token_ids == want for r, want in zip(results, reference)]
     identical = all(same)
     print(f"served = AR for {sum(same)} of {len(same)} requests")
