@@ -82,7 +82,7 @@ class RequestHandle:
         self._resume: list[int] = []
         self._carry: dict[str, Any] = {}
         self._parked: tuple[Any, Any] | None = None
-        """Parked on the host by a preemption: (its slot's state row, its _Live bookkeeping)."""
+        """Parked on the host by a preemption: (its slot's state row, its LiveRequest bookkeeping)."""
 
     # ---- called by the scheduler thread ----
 
