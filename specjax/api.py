@@ -208,18 +208,11 @@ class LLM:
         the one labelled "ar", if any, is the baseline. options: per-method generate options keyed by method
         name, for plain method names."""
         from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
-        from specjax.decode.bench import Variant, run_variants
+        from specjax.decode.bench import run_bench
 
         ids = self._batch(list(HELDOUT_CHAT_PROMPTS) if prompts is None else prompts, chat)
-        if not isinstance(methods, dict):
-            methods = {m: (m, options.get(m, {})) for m in methods}
-        variants = []
-        for label, spec in methods.items():
-            method, extra = (spec, {}) if isinstance(spec, str) else spec
-            variants.append(Variant(label, self.engine, method, tuple(sorted(extra.items()))))
-        report = run_variants(variants, ids, max_tokens, SamplingConfig(temperature=temperature), seed=seed,
-                              repeats=repeats, progress=progress)
-        report["precision"] = self.engine.precision
+        report = run_bench(self.engine, ids, methods, max_tokens, SamplingConfig(temperature=temperature), seed=seed,
+                           repeats=repeats, progress=progress, options=options or None)
         return BenchReport(report)
 
     def server(self, slots: int = 8, method: str = "adaptive", *, metrics_log: str | None = None,

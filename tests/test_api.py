@@ -89,6 +89,8 @@ def test_bench_and_server(llm):
     assert list(labelled["methods"]) == ["ar", "refined x2"]
     assert labelled["methods"]["refined x2"]["identical_to_ar"] is True
     assert labelled["methods"]["refined x2"]["refine_passes"] > 1.0  # the option reached generate
+    with pytest.raises(SpecjaxError, match="inside `methods`"):
+        llm.bench(["the cat sat"], {"ar": "ar"}, chain={"refine": specjax.RefineConfig(2)})
     server = llm.server(slots=2, method="chain", context_length=128, max_new_tokens=16)
     try:
         [expected] = llm.generate("the dog ran to", 8, method="ar")

@@ -29,14 +29,23 @@ class Variant:
     options: tuple[tuple[str, Any], ...] = ()
 
 
-def run_bench(engine: Engine, prompts: Sequence[Sequence[int]], methods: Sequence[str], max_new_tokens: int,
+def run_bench(engine: Engine, prompts: Sequence[Sequence[int]],
+              methods: Sequence[str] | dict[str, str | tuple[str, dict]], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, repeats: int = 1,
               progress: bool = True, options: dict[str, dict] | None = None,
               groups: Sequence[str] | None = None) -> dict:
-    """Every method on every prompt with one engine. options: per-method generate options; groups:
-    a label per prompt (its category), for a report per group besides the whole (see run_variants)."""
-    options = options or {}
-    variants = [Variant(m, engine, m, tuple(sorted(options.get(m, {}).items()))) for m in methods]
+    """Every method on every prompt with one engine. methods: method names, or labelled variants
+    {label: method or (method, generate options)}; options: per-method generate options, for method
+    names; groups: a label per prompt (its category), for a report per group besides the whole (see
+    run_variants)."""
+    if isinstance(methods, dict) and options:
+        raise SpecjaxError("give labelled variants their options inside `methods`, not as keyword options")
+    if not isinstance(methods, dict):
+        methods = {m: (m, (options or {}).get(m, {})) for m in methods}
+    variants = []
+    for label, spec in methods.items():
+        method, extra = (spec, {}) if isinstance(spec, str) else spec
+        variants.append(Variant(label, engine, method, tuple(sorted(extra.items()))))
     report = run_variants(variants, prompts, max_new_tokens, sampling, seed, repeats, progress, groups=groups)
     report["precision"] = engine.precision  # every method ran this target: "identical" and speedups are at it
     return report

@@ -93,7 +93,9 @@ class Admission:
                     self.table.waiting.popleft()
                     seed = handle._carry.get("seed")
                     if seed is None:
-                        seed = request.seed if request.seed is not None else int(np.random.default_rng().integers(2**32))
+                        seed = request.seed
+                        if seed is None:
+                            seed = int(np.random.default_rng().integers(2**32))
                         handle._carry["seed"] = seed
                     resumed = list(handle._resume)
                     text = "" if not resumed or self.tokenizer is None else self.tokenizer.decode(resumed)
@@ -168,8 +170,8 @@ class Admission:
             drafts_from = [live.drafting_prompt for _, live in batch] + [(0,)] * pad
             width = next(b for b in shapes.drafting_buckets if b >= max(map(len, drafts_from)))
             fill = self.programs.drafting_fill(width, rows)
-            self.table.state = fill(self.parts, self.table.state, *self.programs.drafting_fill_arguments(insert.rows, drafts_from,
-                                                                                               width))
+            arguments = self.programs.drafting_fill_arguments(insert.rows, drafts_from, width)
+            self.table.state = fill(self.parts, self.table.state, *arguments)
         jax.block_until_ready(self.table.state.lengths)  # so the prefill's time is its own
         self.metrics.timing("prefill", time.perf_counter() - started)
         for (slot, live), start, take in zip(batch, starts, takes):

@@ -69,7 +69,8 @@ class ControllerConfig:
     `margin`, so near a tie the controller settles on less speculation: the step timings it compares
     leave out costs only speculation pays (building the drafter's context at prefill, burstier
     token delivery), and in a bf16 sweep on 8 slots a chain chosen on a 3% predicted lead served 12%
-    fewer tokens than AR (docs/notes/2026-12-06-adaptive-serving.md, "The rate sweep in bf16 with the v4 drafter")."""
+    fewer tokens than AR (docs/notes/2026-12-06-adaptive-serving.md, "The rate sweep in bf16 with
+    the v4 drafter")."""
     patience: int = 3
     """Consecutive decisions a challenger must win before the switch."""
     probe_every: int = 48
@@ -127,8 +128,8 @@ class ControllerConfig:
         costs what the longest chain within them costs and accepts no more, while a tree of that
         many nodes costs the same step too and accepts more: the default set then is ar, that chain
         and that tree. Measured on a bf16 server padded to 8 rows with the block-8 drafter
-        (docs/notes/2026-12-06-adaptive-serving.md, "Adaptive serving on padded bf16"): chain:3 took 1,584 of 3,428 adaptive
-        steps while chain was the best fixed policy at three of four loads; in a later sweep the
+        (docs/notes/2026-12-06-adaptive-serving.md, "Adaptive serving on padded bf16"): chain:3 took
+        1,584 of 3,428 adaptive steps while chain was the best fixed policy at three of four loads; in a later sweep the
         tree was the best fixed policy at every load, and adaptive without it reached 0.93-0.99x its
         throughput at 1.08-1.19x its p50 TPOT."""
         if self.policies is not None:

@@ -18,6 +18,7 @@ from specjax.serve.controller import Controller
 from specjax.serve.kv_relief import KvRelief
 from specjax.serve.reporting import StepReporter, request_metrics
 from specjax.serve.requests import Chunk, LiveRequest, RequestResult
+from specjax.serve.shapes import ServingShapes
 from specjax.serve.slot_table import SlotTable
 
 log = logging.getLogger("specjax.serve")
@@ -49,11 +50,11 @@ class _Synced(NamedTuple):
 class HostSync:
     """Syncs the slot state with the requests holding it; run by the scheduler thread."""
 
-    def __init__(self, table: SlotTable, statics, model, controller: Controller, metrics: ServingMetrics,
-                 reporter: StepReporter, relief: KvRelief, config: ServeConfig):
-        self.table, self.statics, self.model, self.controller = table, statics, model, controller
+    def __init__(self, table: SlotTable, shapes: ServingShapes, model, controller: Controller,
+                 metrics: ServingMetrics, reporter: StepReporter, relief: KvRelief, config: ServeConfig):
+        self.table, self.statics, self.model, self.controller = table, shapes.statics, model, controller
         self.metrics, self.reporter, self.relief, self.config = metrics, reporter, relief, config
-        self.drafts_from_retrieval = statics.drafting_length > 0
+        self.drafts_from_retrieval = shapes.drafts_from_retrieval
 
     def collect(self, step: tuple[float, int, int] | None) -> None:
         """One host sync: stream new tokens, finish rows that ended, report metrics. step: (start
@@ -135,7 +136,8 @@ class HostSync:
         # Speculative counters: verify steps and draft positions reached since the last sync.
         if block > 1:
             reached = histogram[slot][::-1].cumsum()[::-1][1:]  # steps whose run reached draft slot k
-            self.metrics.verify_steps(int(steps[slot]) - live.steps_reported, int(drafted[slot]) - live.drafted_reported,
+            self.metrics.verify_steps(int(steps[slot]) - live.steps_reported,
+                                      int(drafted[slot]) - live.drafted_reported,
                                       (reached - live.reached_reported).tolist())
             live.reached_reported = reached
         live.steps_reported, live.drafted_reported = int(steps[slot]), int(drafted[slot])

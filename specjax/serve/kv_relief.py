@@ -25,7 +25,8 @@ class KvRelief:
     def __init__(self, table: SlotTable, programs: Programs, controller: Controller, metrics: ServingMetrics,
                  config: ServeConfig, window: int | None):
         """window: the context positions a windowed drafter keeps (None: windowing is no relief here)."""
-        self.table, self.programs, self.controller, self.metrics, self.config = table, programs, controller, metrics, config
+        self.table, self.programs, self.controller = table, programs, controller
+        self.metrics, self.config = metrics, config
         self.window = window
 
     def report(self) -> None:
@@ -34,7 +35,8 @@ class KvRelief:
         (parked on the host, or their tokens so far recomputed as part of their prompt)."""
         filled, bytes_in_use = self.table.kv.in_use(self.table.live)
         self.metrics.memory(filled, bytes_in_use, self.table.kv.bytes_per_token)
-        state = self.table.memory_state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
+        state = self.controller.observe_memory(sum(bytes_in_use.values()), time.perf_counter())
+        self.table.memory_state = state
         self.metrics.memory_budget(state.budget, state.seconds_to_budget, state.alarm)
         high_water = int(self.config.controller.kv_high_water * state.budget)
         if not state.budget or state.bytes_in_use < high_water:
@@ -65,7 +67,8 @@ class KvRelief:
         longer count against the budget."""
         live = self.table.live[slot]
         live.drafter_window = self.window
-        self.table.state = self.table.state.replace(drafter_window=self.table.state.drafter_window.at[slot].set(live.drafter_window))
+        windows = self.table.state.drafter_window.at[slot].set(live.drafter_window)
+        self.table.state = self.table.state.replace(drafter_window=windows)
         self.metrics.drafter_state_windowed()
         log.info("windowed the drafter of request %d to its last %d positions: KV bytes past the high water mark",
                  live.handle.id, live.drafter_window)

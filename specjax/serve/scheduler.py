@@ -110,7 +110,7 @@ class Scheduler:
         full_context = drafter is not None and drafter.config.window is None and self.statics.rapid is None
         self.relief = KvRelief(self.table, self.programs, self.controller, self.metrics, config,
                                config.controller.relief_window if full_context else None)
-        self.sync = HostSync(self.table, self.statics, model, self.controller, self.metrics, self.reporter,
+        self.sync = HostSync(self.table, shapes, model, self.controller, self.metrics, self.reporter,
                              self.relief, config)
         self.admission = Admission(self.table, self.programs, self.rules, self.controller, self.metrics, config,
                                    model.tokenizer, self.sync.finish, self._pin_for)
