@@ -532,14 +532,13 @@ def _serve_config(args, policies: tuple[str, ...] | None = None):
     controller = ControllerConfig(policies=policies, kv_budget_bytes=None if args.kv_budget_mib is None
                                   else int(args.kv_budget_mib * 2**20), relief_window=args.relief_window or None,
                                   tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000)
-    config = ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
-                         max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
-                         max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
-                         prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
-                         snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
-                         retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
-                         preemption=args.preemption, ngram=_ngram_config(args))
-    return config
+    return ServeConfig(method=args.method, slots=args.slots, context_length=args.context_length,
+                       max_new_tokens=args.max_new_tokens, steps_per_sync=args.steps_per_sync,
+                       max_queue=args.max_queue, tree=_tree_config(args), refine=_refine_config(args),
+                       prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
+                       snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
+                       retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
+                       preemption=args.preemption, ngram=_ngram_config(args))
 
 
 def cmd_serve(args) -> int:
