@@ -65,42 +65,25 @@ def _read_prompts_and_categories(path: str, flag: str) -> tuple[list[str], list[
     return prompts, categories
 
 
-# Options only some methods read, by what the method registry (decode/slots.py:SlotMethod) says a
-# method needs. Given (a value other than the default) with no method that reads them, they are
-# refused rather than silently ignored.
-_METHOD_OPTIONS = (
-    ("a drafter", lambda m: m.needs_drafter, ("drafter", "block_size", "drafter_window")),
-    ("a refiner", lambda m: m.needs_refiner,
-     ("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident", "refine_slots")),
-    ("trees", lambda m: m.needs_tree, ("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width")),
-    ("the target drafting from retrieved passages", lambda m: m.needs_retrieval and not m.needs_drafter,
-     ("rapid_drafts", "rapid_eta")),
-    ("prompt lookup", lambda m: m.needs_ngram, ("ngram_drafts", "ngram_max", "ngram_min")),
-    ("retrieval", lambda m: m.needs_retrieval,
-     ("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score", "redraft_every",
-      "drafting_length")),
-)
-
-
 def _check_decode_args(args, methods: list[str]) -> None:
     """Everything about generate/bench arguments that can be checked before a model is loaded."""
     from specjax.decode.engine import METHODS
-    from specjax.decode.slots import SLOT_METHODS, slot_method
+    from specjax.decode.slots import METHOD_PARTS, slot_method
     from specjax.io.registry import context_length_without_loading
 
     if not methods:
         raise SpecjaxError(f"unknown method ''; available: {', '.join(METHODS)}")
     specs = [slot_method(m) for m in methods]  # a registry name or chain:K (chain's needs); refuses the rest
+    # An option only unused parts read (a value other than its default) is refused, not ignored.
     defaults = args.parser
-    for reads, reader, options in _METHOD_OPTIONS:
-        if any(reader(spec) for spec in specs):
+    for part in METHOD_PARTS:
+        if any(part.used_by(spec) for spec in specs):
             continue
-        for dest in options:
+        for dest in part.settings:
             if hasattr(args, dest) and getattr(args, dest) != defaults.get_default(dest):
                 flag = "--" + dest.replace("_", "-")
-                users = [name for name, spec in SLOT_METHODS.items() if reader(spec)]
-                raise SpecjaxError(f"{flag} applies to methods with {reads} ({', '.join(users)}), not to "
-                                   f"{', '.join(methods)}")
+                raise SpecjaxError(f"{flag} applies to methods with {part.describes} ({', '.join(part.users())}), "
+                                   f"not to {', '.join(methods)}")
     if args.compressor != defaults.get_default("compressor") and not args.drafter_window:
         raise SpecjaxError("--compressor applies only to windowed drafting; give --drafter-window too")
     if args.drafter_window < 0:

@@ -261,3 +261,18 @@ def test_every_cli_default_is_its_configs_default():
         assert _retrieval_config(args) == RetrievalConfig(), command
         assert _ngram_config(args) == NgramConfig(), command
         assert RapidConfig(args.rapid_drafts, args.rapid_eta) == RapidConfig(), command
+
+
+def test_every_per_method_setting_in_the_registry_is_an_option():
+    """The registry's METHOD_PARTS name the options each part reads; a name with no flag behind
+    it (a renamed option) would leave that option unchecked, silently ignored again."""
+    from specjax.decode.slots import METHOD_PARTS
+
+    parser = cli.build_parser()
+    options = set()
+    for command in (["generate", "--prompt", "x"], ["bench"], ["serve"]):
+        options |= set(vars(parser.parse_args(command)))
+    for part in METHOD_PARTS:
+        assert part.users(), part.describes
+        missing = [dest for dest in part.settings if dest not in options]
+        assert not missing, (part.describes, missing)

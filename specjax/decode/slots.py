@@ -918,6 +918,37 @@ BLOCK_METHODS = ("chain", "chain+refiner", "rapid+block")
 """Methods that verify a drafter's block, and so take a draft limit: "chain:K" verifies K drafts."""
 
 
+@dataclasses.dataclass(frozen=True)
+class MethodPart:
+    """A part some methods use (a drafter, trees, retrieval ...), and the settings only it reads."""
+
+    describes: str
+    """How an error names the methods that use it ("methods with a drafter")."""
+    used_by: Callable[[SlotMethod], bool]
+    settings: tuple[str, ...]
+    """The option names (config fields, as the CLI spells them with "_") that only this part reads,
+    so a front end can refuse one given to methods that would silently ignore it."""
+
+    def users(self) -> list[str]:
+        return [name for name, method in SLOT_METHODS.items() if self.used_by(method)]
+
+
+METHOD_PARTS: tuple[MethodPart, ...] = (
+    MethodPart("a drafter", lambda m: m.needs_drafter, ("drafter", "block_size", "drafter_window")),
+    MethodPart("a refiner", lambda m: m.needs_refiner,
+               ("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident", "refine_slots")),
+    MethodPart("trees", lambda m: m.needs_tree,
+               ("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width")),
+    MethodPart("the target drafting from retrieved passages", lambda m: m.needs_retrieval and not m.needs_drafter,
+               ("rapid_drafts", "rapid_eta")),
+    MethodPart("prompt lookup", lambda m: m.needs_ngram, ("ngram_drafts", "ngram_max", "ngram_min")),
+    MethodPart("retrieval", lambda m: m.needs_retrieval,
+               ("retriever", "chunk_tokens", "retrieval_budget", "retrieval_top_k", "retrieval_min_score",
+                "redraft_every", "drafting_length")),
+)
+"""Every per-method part, for the front ends' checks of which options a choice of methods reads."""
+
+
 def slot_method(name: str) -> SlotMethod:
     """A method of SLOT_METHODS, or a block method verifying fewer drafts than its block: "chain:K",
     "chain+refiner:K" or "rapid+block:K" (K >= 1), the draft-length tiers an adaptive server
