@@ -174,7 +174,9 @@ def test_bench_runs_auto_and_ngram_beside_ar(tiny_with_tokenizer_and_drafter, ca
     auto, ngram = report["methods"]["auto"], report["methods"]["ngram"]
     assert auto["identical_to_ar"] and ngram["identical_to_ar"]
     chose = auto["auto"]["policy_steps"]
-    assert set(chose) == {"ar", "chain", "tree"} and chose["chain"] >= 2 and chose["tree"] >= 2  # each call explores
+    # The engine remembers auto's measurements between calls, so exploring each policy happened in
+    # the untimed warm-up; the timed calls count at least one step each and at most one a token.
+    assert set(chose) == {"ar", "chain", "tree"} and 2 <= sum(chose.values()) <= 2 * 6
     assert auto["auto"]["chain_step_over_decode_step"] > 0
     assert main(["bench", "--methods", "ar,chain", "--ngram-drafts", "3"]) == 2
     assert "--ngram-drafts applies to methods with prompt lookup (ngram)" in capsys.readouterr().err

@@ -67,6 +67,43 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
     from tqdm.auto import tqdm
 
     labels = [v.label for v in variants]
+    _check_run(labels, prompts, batch_size, repeats, groups)
+    num_calls = -(-len(prompts) // batch_size)
+    batches = [[prompts[(c * batch_size + i) % len(prompts)] for i in range(batch_size)] for c in range(num_calls)]
+    run = lambda v, batch: v.engine.generate(batch, max_new_tokens, sampling, seed=seed, method=v.method,
+                                             **dict(v.options))
+    for v in variants:  # warm-up (and compilation) outside the timing
+        run(v, batches[0])
+    tallies = {label: _Tally() for label in labels}
+    with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
+        for repeat in range(repeats):
+            for call, batch in enumerate(batches):
+                for v in variants:
+                    tallies[v.label].add(call, run(v, batch), first_repeat=repeat == 0)
+                    bar.update(1)
+    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "batch_size": batch_size, "repeats": repeats,
+              "temperature": sampling.temperature, "methods": {}}
+    baseline = tallies.get(BASELINE_LABEL)
+    for label, tally in tallies.items():
+        entry = tally.entry()
+        if baseline is not None and label != BASELINE_LABEL:
+            entry["speedup_vs_ar"] = statistics.median(s / a for s, a in zip(tally.speeds, baseline.speeds))
+            if sampling.greedy:
+                entry["identical_to_ar"] = tally.outputs == baseline.outputs
+        report["methods"][label] = entry
+    if groups is not None:
+        calls = {label: tally.calls for label, tally in tallies.items()}
+        outputs = {label: tally.outputs for label, tally in tallies.items()}
+        report["groups"] = {label: _group_entries(calls, outputs, labels, [g == label for g in groups], sampling.greedy)
+                            for label in dict.fromkeys(groups)}
+    return report
+
+
+BASELINE_LABEL = "ar"
+"""The variant label speedups and output identity are measured against."""
+
+
+def _check_run(labels: Sequence[str], prompts, batch_size: int, repeats: int, groups) -> None:
     if len(set(labels)) != len(labels):
         raise SpecjaxError(f"benchmark labels must be distinct, got {labels}")
     if batch_size < 1:
@@ -80,92 +117,78 @@ def run_variants(variants: Sequence[Variant], prompts: Sequence[Sequence[int]], 
             raise SpecjaxError(f"groups needs one label per prompt: {len(groups)} labels for {len(prompts)} prompts")
         if batch_size != 1:
             raise SpecjaxError("a report per group needs batch_size 1 (a call of several prompts mixes groups)")
-    num_calls = -(-len(prompts) // batch_size)
-    batches = [[prompts[(c * batch_size + i) % len(prompts)] for i in range(batch_size)] for c in range(num_calls)]
-    run = lambda v, batch: v.engine.generate(batch, max_new_tokens, sampling, seed=seed, method=v.method,
-                                             **dict(v.options))
-    for v in variants:  # warm-up (and compilation) outside the timing
-        run(v, batches[0])
-    outputs = {m: [] for m in labels}
-    histograms = {m: None for m in labels}
-    walls = {m: {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0} for m in labels}
-    passes = {m: [] for m in labels}
-    lossy: dict[str, str] = {}
-    tree_sizes = {m: {"chosen": [], "verified": [], "buckets": {}} for m in labels}
-    calls = {m: [] for m in labels}  # per call: (batch index, tokens/s, accepted-length histogram or None)
-    auto: dict[str, dict] = {}  # the auto method's policy steps over every call, and its last cost ratio
-    with tqdm(total=repeats * len(batches) * len(variants), desc="bench", disable=not progress) as bar:
-        for repeat in range(repeats):
-            for call, batch in enumerate(batches):
-                for v in variants:
-                    result = run(v, batch)
-                    method = v.label
-                    calls[method].append((call, result.stats["tokens_per_s"],
-                                          result.stats.get("accepted_length_histogram")))
-                    if repeat == 0:
-                        outputs[method].extend(result.tokens)
-                    walls[method]["wall_s"] += result.stats["wall_s"]
-                    if "accepted_length_histogram" in result.stats:
-                        h = np.asarray(result.stats["accepted_length_histogram"])
-                        histograms[method] = h if histograms[method] is None else histograms[method] + h
-                        for key in ("draft_s", "verify_s", "refine_s"):
-                            walls[method][key] += result.stats.get(key, 0.0)
-                    if "refine_passes" in result.stats:
-                        passes[method].append(result.stats["refine_passes"])
-                    if "lossy" in result.stats:
-                        lossy[method] = result.stats["lossy"]
-                    if "auto" in result.stats:
-                        chose = auto.setdefault(method, {"policy_steps": {}})
-                        for name, n in result.stats["auto"]["policy_steps"].items():
-                            chose["policy_steps"][name] = chose["policy_steps"].get(name, 0) + n
-                        chose["chain_step_over_decode_step"] = result.stats["auto"]["chain_step_over_decode_step"]
-                    if "tree_bucket_counts" in result.stats:
-                        sizes = tree_sizes[method]
-                        sizes["chosen"].append(result.stats["tree_nodes_chosen"])
-                        sizes["verified"].append(result.stats["tree_nodes_verified"])
-                        for size, count in result.stats["tree_bucket_counts"].items():
-                            sizes["buckets"][size] = sizes["buckets"].get(size, 0) + count
-                        if "latency_model" in result.stats:  # auto-sized trees only; a fixed budget has none
-                            sizes["latency_model"] = result.stats["latency_model"]
-                    bar.update(1)
-    speeds = {m: [speed for _, speed, _ in calls[m]] for m in labels}
-    report = {"max_new_tokens": max_new_tokens, "prompts": len(prompts), "batch_size": batch_size, "repeats": repeats,
-              "temperature": sampling.temperature, "methods": {}}
-    for method in labels:
-        entry = {"tokens_per_s": statistics.median(speeds[method]), "tau": None, "per_position_acceptance": [],
-                 "outputs": outputs[method]}
-        hist = histograms[method]
-        if hist is not None and hist.sum():
-            entry.update(_acceptance(hist))
+
+
+class _Tally:
+    """One variant's figures summed over its calls, and its report entry."""
+
+    def __init__(self):
+        self.calls: list = []  # per call: (batch index, tokens/s, accepted-length histogram or None)
+        self.outputs: list = []
+        self.histogram = None
+        self.walls = {"draft_s": 0.0, "verify_s": 0.0, "refine_s": 0.0, "wall_s": 0.0}
+        self.passes: list[float] = []
+        self.lossy: str | None = None
+        self.tree_sizes: dict = {"chosen": [], "verified": [], "buckets": {}}
+        self.auto: dict | None = None  # the auto method's policy steps over every call, and its last cost ratio
+
+    @property
+    def speeds(self) -> list[float]:
+        return [speed for _, speed, _ in self.calls]
+
+    def add(self, call: int, result, first_repeat: bool) -> None:
+        stats = result.stats
+        self.calls.append((call, stats["tokens_per_s"], stats.get("accepted_length_histogram")))
+        if first_repeat:
+            self.outputs.extend(result.tokens)
+        self.walls["wall_s"] += stats["wall_s"]
+        if "accepted_length_histogram" in stats:
+            h = np.asarray(stats["accepted_length_histogram"])
+            self.histogram = h if self.histogram is None else self.histogram + h
+            for key in ("draft_s", "verify_s", "refine_s"):
+                self.walls[key] += stats.get(key, 0.0)
+        if "refine_passes" in stats:
+            self.passes.append(stats["refine_passes"])
+        self.lossy = stats.get("lossy", self.lossy)
+        if "auto" in stats:
+            self.auto = self.auto or {"policy_steps": {}}
+            for name, n in stats["auto"]["policy_steps"].items():
+                self.auto["policy_steps"][name] = self.auto["policy_steps"].get(name, 0) + n
+            self.auto["chain_step_over_decode_step"] = stats["auto"]["chain_step_over_decode_step"]
+        if "tree_bucket_counts" in stats:
+            sizes = self.tree_sizes
+            sizes["chosen"].append(stats["tree_nodes_chosen"])
+            sizes["verified"].append(stats["tree_nodes_verified"])
+            for size, count in stats["tree_bucket_counts"].items():
+                sizes["buckets"][size] = sizes["buckets"].get(size, 0) + count
+            if "latency_model" in stats:  # auto-sized trees only; a fixed budget has none
+                sizes["latency_model"] = stats["latency_model"]
+
+    def entry(self) -> dict:
+        entry = {"tokens_per_s": statistics.median(self.speeds), "tau": None, "per_position_acceptance": [],
+                 "outputs": self.outputs}
+        if self.histogram is not None and self.histogram.sum():
+            entry.update(_acceptance(self.histogram))
             # Each phase's share of the modelled step time. The phases are timed alone and scaled
             # by the steps run, because the loop is one fused program; their sum can exceed the
             # fused loop's wall time, so a share of the wall time could pass 1.
-            modelled = sum(walls[method][f"{key}_s"] for key in ("draft", "verify", "refine"))
+            modelled = sum(self.walls[f"{key}_s"] for key in ("draft", "verify", "refine"))
             for key in ("draft", "verify", "refine"):
-                entry[f"{key}_fraction"] = walls[method][f"{key}_s"] / modelled if modelled else 0.0
-        if passes[method]:
-            entry["refine_passes"] = float(np.mean(passes[method]))
-        if method in lossy:
-            entry["lossy"] = lossy[method]
-        if method in auto:
-            entry["auto"] = auto[method]
-        if tree_sizes[method]["chosen"]:
-            sizes = tree_sizes[method]
+                entry[f"{key}_fraction"] = self.walls[f"{key}_s"] / modelled if modelled else 0.0
+        if self.passes:
+            entry["refine_passes"] = float(np.mean(self.passes))
+        if self.lossy is not None:
+            entry["lossy"] = self.lossy
+        if self.auto is not None:
+            entry["auto"] = self.auto
+        sizes = self.tree_sizes
+        if sizes["chosen"]:
             entry["tree_nodes_chosen"] = float(np.mean(sizes["chosen"]))
             entry["tree_nodes_verified"] = float(np.mean(sizes["verified"]))
             entry["tree_bucket_counts"] = sizes["buckets"]
             if "latency_model" in sizes:
                 entry["latency_model"] = sizes["latency_model"]
-        if "ar" in labels and method != "ar":
-            entry["speedup_vs_ar"] = statistics.median(
-                s / a for s, a in zip(speeds[method], speeds["ar"]))
-            if sampling.greedy:
-                entry["identical_to_ar"] = outputs[method] == outputs["ar"]
-        report["methods"][method] = entry
-    if groups is not None:
-        report["groups"] = {label: _group_entries(calls, outputs, labels, [g == label for g in groups], sampling.greedy)
-                            for label in dict.fromkeys(groups)}
-    return report
+        return entry
 
 
 def _acceptance(hist: np.ndarray) -> dict:
@@ -185,11 +208,11 @@ def _group_entries(calls: dict, outputs: dict, labels: Sequence[str], members: S
         hists = [np.asarray(h) for _, _, h in mine if h is not None]
         if hists and sum(hists).sum():
             entry.update(_acceptance(sum(hists)))
-        if "ar" in labels and method != "ar":
-            ar = [s for call, s, _ in calls["ar"] if members[call]]
+        if BASELINE_LABEL in labels and method != BASELINE_LABEL:
+            ar = [s for call, s, _ in calls[BASELINE_LABEL] if members[call]]
             entry["speedup_vs_ar"] = statistics.median(s / a for (_, s, _), a in zip(mine, ar))
             if greedy:
-                entry["identical_to_ar"] = all(outputs[method][i] == outputs["ar"][i]
+                entry["identical_to_ar"] = all(outputs[method][i] == outputs[BASELINE_LABEL][i]
                                                for i, member in enumerate(members) if member)
         entries[method] = entry
     return entries
