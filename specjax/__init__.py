@@ -7,7 +7,8 @@
 The public API (each name is imported on first use, so `import specjax` stays cheap):
 
 - decoding: `LLM` (generate, stream, bench, server), `Completion`, `methods()`, and the configs
-  `SamplingConfig`, `TreeConfig`, `RefineConfig`, `NgramConfig`, `AutoConfig`;
+  `SamplingConfig`, `TreeConfig`, `RefineConfig`, `NgramConfig`, `AutoConfig`, and for requests
+  about a long document (`generate(question, document=...)`) `RapidConfig` and `RetrievalConfig`;
 - serving without HTTP: `Scheduler`, `ServeConfig`, `ControllerConfig`, `Request`;
 - training: `train_drafter(model, out_dir, DistillRecipe(...))`, `train_refiner(model, drafter,
   out_dir, RefinerRecipe(...))`, `train_compressor(model, drafter, out_dir, CompressorRecipe(...))`.
@@ -23,6 +24,7 @@ _EXPORTS = {
     "LLM": "specjax.api", "Completion": "specjax.api", "BenchReport": "specjax.api", "methods": "specjax.api",
     "SamplingConfig": "specjax.decode.sampling", "TreeConfig": "specjax.decode.tree",
     "RefineConfig": "specjax.decode.refine", "NgramConfig": "specjax.decode.ngram", "AutoConfig": "specjax.decode.auto",
+    "RapidConfig": "specjax.decode.rapid", "RetrievalConfig": "specjax.data.retrieval",
     "Scheduler": "specjax.serve.scheduler", "ServeConfig": "specjax.serve.config",
     "Request": "specjax.serve.requests", "ControllerConfig": "specjax.serve.controller",
     "DistillRecipe": "specjax.train.recipe", "RefinerRecipe": "specjax.train.refiner",

@@ -65,14 +65,20 @@ class LLM:
 
     def __init__(self, model: str = "smollm2", *, drafter: str | None = "default", refiner: str | None = "default",
                  dtype: str = "auto", kv_dtype: str = "auto", query_rows: str | int = "auto",
-                 latency_cache: bool = True):
+                 latency_cache: bool = True, drafter_window: int = 0, compressor: str = "default",
+                 prompt_bucket: int = 32):
         """model: a known name (`specjax models`), an HF folder or a .gguf file.
         drafter: "default" (the committed drafter of a known model), a DFlash-format folder, or None
         (AR and ngram only). refiner: "default", a refiner folder, or None (for the +refiner methods).
         dtype, kv_dtype, query_rows: as the CLI's --dtype, --kv-dtype and --query-rows ("auto":
         float32 on CPUs without native bf16, and bf16 steps padded so speculation stays exact).
         latency_cache: keep the tree budget rule's measured verify costs on disk per machine, model
-        and shape (False: measure them afresh in this process)."""
+        and shape (False: measure them afresh in this process).
+        drafter_window: > 0 windows the drafter (SW-SpeedDLM): it attends to this many recent
+        positions plus summary tokens from `compressor` ("default": the committed one, or a
+        folder), so its memory stops growing with the context.
+        prompt_bucket: prompts are padded to a multiple of this many tokens; one compiled program
+        serves every prompt length in a bucket (long documents: use a few hundred)."""
         from specjax.decode.engine import Engine
         from specjax.decode.parts import PartsSpec, resolve_parts
         from specjax.io.registry import (DEFAULT_DRAFTERS, DEFAULT_REFINERS, compute_dtype, load_model, with_kv_dtype,
@@ -86,10 +92,15 @@ class LLM:
         # The CLI's one loading path: the drafter checked against the target and cast to its precision,
         # the refiner checked against that drafter.
         needs = ([] if drafter is None else ["chain"]) + ([] if drafter is None or refiner is None else ["chain+refiner"])
+        if drafter_window and drafter is None:
+            raise SpecjaxError("drafter_window windows a drafter; this LLM has none")
         parts = resolve_parts(needs, self.model, model, PartsSpec(drafter=drafter or "default",
-                                                                  refiner=refiner or "default"))
+                                                                  refiner=refiner or "default", compressor=compressor,
+                                                                  drafter_window=drafter_window))
         self.drafter, self.refiner = parts.drafter, parts.refiner
-        self.engine = Engine(self.model, self.drafter, refiner=self.refiner, latency_cache=latency_cache)
+        self.engine = Engine(self.model, self.drafter, prompt_bucket=prompt_bucket, refiner=self.refiner,
+                             latency_cache=latency_cache)
+        self._index_cache = None  # long documents' retrieval indexes, built on first use
 
     @property
     def tokenizer(self):
@@ -151,20 +162,72 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], max_tokens: int = 128, *, method: str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool | None = None,
-                 ignore_eos: bool = False, **options) -> list[Completion]:
+                 ignore_eos: bool = False, document: str | None = None, retrieval=None, redraft_every: int = 0,
+                 **options) -> list[Completion]:
         """Decode one prompt or a batch, all rows together on the serving step.
 
         method: a registry method (`specjax.methods()`): ar, chain, chain:K, chain+refiner, tree,
-        tree+refiner, ngram, auto, ... (default: auto with a drafter, which picks AR, chain or tree
-        each step by this machine's measured costs; on a target padded to fewer rows than the block,
-        tree; ar without a drafter).
+        tree+refiner, ngram, auto, rapid, rapid+block (default: auto with a drafter, which picks AR,
+        chain or tree each step by this machine's measured costs; on a target padded to fewer rows
+        than the block, tree; ar without a drafter).
+        document: a long text the one prompt (the question) is about. Every method reads the whole
+        document before the question; rapid and rapid+block also draft from the chunks `retrieval`
+        (a RetrievalConfig; default RetrievalConfig()) picks for the question, re-retrieved every
+        `redraft_every` generated tokens if > 0. The completion's metrics["long_context"] says
+        what retrieval picked.
         options: the method's config, passed to Engine.generate: tree=TreeConfig(...),
-        refine=RefineConfig(...), ngram=NgramConfig(...), auto=AutoConfig(...)."""
-        ids = self._batch(prompts, chat)
+        refine=RefineConfig(...), ngram=NgramConfig(...), auto=AutoConfig(...), rapid=RapidConfig(...)."""
+        method = self._method(method)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        result = self.engine.generate(ids, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos,
-                                      method=self._method(method), **options)
-        return self._completions(ids, result)
+        if document is None:
+            if retrieval is not None or redraft_every:
+                raise SpecjaxError("retrieval and redraft_every apply to a request with a document")
+            ids = self._batch(prompts, chat)
+            result = self.engine.generate(ids, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos, method=method,
+                                          **options)
+            return self._completions(ids, result)
+        long, config, redraft = self._document_prompt(document, prompts, method, retrieval, redraft_every, chat)
+        result = self.engine.generate([long.full], max_tokens, sampling, seed=seed, ignore_eos=ignore_eos,
+                                      method=method, redraft=redraft,
+                                      drafting_prompts=None if long.drafting is None else [long.drafting], **options)
+        [completion] = self._completions([long.full], result)
+        completion.metrics["long_context"] = long.summary(config)
+        return [completion]
+
+    def _document_prompt(self, document: str, question, method: str, retrieval, redraft_every: int,
+                         chat: bool | None):
+        """(LongContextPrompt, the RetrievalConfig used or None, Redraft or None) of a document request."""
+        from specjax.data.retrieval import IndexCache, RetrievalConfig, document_prompt
+        from specjax.decode.slots import slot_method
+
+        if self.tokenizer is None:
+            raise SpecjaxError(f"{self.model.name} has no tokenizer, which a document request needs")
+        if not (isinstance(question, str) or (isinstance(question, Sequence) and question
+                                              and all(isinstance(m, dict) for m in question))):
+            raise SpecjaxError("with a document, give one prompt: the question, as text or chat messages")
+        if not isinstance(document, str):
+            raise SpecjaxError(f"document must be text, got {type(document).__name__}")
+        retrieves = slot_method(method).needs_retrieval
+        if not retrieves and (retrieval is not None or redraft_every):
+            raise SpecjaxError(f"retrieval and redraft_every apply to rapid and rapid+block, not {method!r}")
+        config = (retrieval or RetrievalConfig()) if retrieves else None
+        if self._index_cache is None:
+            self._index_cache = IndexCache()
+        chat = bool(self.tokenizer.chat_template) if chat is None else chat
+        long, redraft = document_prompt(self.tokenizer, document, question if isinstance(question, str) else
+                                        list(question), config, redraft_every, self._index_cache, chat=chat)
+        return long, config, redraft
+
+    def drafter_memory(self, contexts: Sequence[int], batch: int = 1) -> dict:
+        """For each context length (tokens): the target's KV bytes, the drafter's context state with
+        full attention and windowed, and the peak of one compiled drafting step with each
+        (decode/memory.py memory_report). Needs an LLM made with drafter_window."""
+        from specjax.decode.memory import memory_report
+
+        if self.drafter is None or self.drafter.config.window is None:
+            raise SpecjaxError("drafter_memory compares full and windowed drafting: make the LLM with drafter_window")
+        return memory_report(self.model.config, self.model.params, self.drafter.config, self.drafter.params,
+                             self.drafter.config.window, list(contexts), batch=batch, progress=False)
 
     def stream(self, prompt: Prompt, max_tokens: int = 128, *, method: str | None = None, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool | None = None, every: int = 8,

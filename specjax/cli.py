@@ -128,7 +128,7 @@ def _long_context(args, model, methods: list[str]):
     """The long-context prompt of --context-file and the question (--prompt), with rapid's drafting
     prompt when a method needs one (the other methods read the same full prompt). Returns (prompt,
     retrieval config or None, Redraft for --redraft-every or None)."""
-    from specjax.data.retrieval import IndexCache, long_context_prompt, redrafting
+    from specjax.data.retrieval import document_prompt
     from specjax.decode.slots import slot_method
 
     if model.tokenizer is None:
@@ -137,22 +137,9 @@ def _long_context(args, model, methods: list[str]):
             or getattr(args, "prompt_ids", None):
         raise SpecjaxError("with --context-file, give the question as one --prompt")
     document = Path(args.context_file).read_text(errors="replace")
-    config = encoder = None
-    if any(slot_method(m).needs_retrieval for m in methods):
-        from specjax.data.retrieval import NEEDS_ENCODER
-
-        config = _retrieval_config(args)
-        if config.retriever in NEEDS_ENCODER:
-            from specjax.io.encoder import load_sentence_encoder
-
-            encoder = load_sentence_encoder()
-    cache = IndexCache()
-    prompt = long_context_prompt(model.tokenizer, document, args.prompt[0], config, cache, encoder,
-                                 chat=not args.no_chat)
-    redraft = None
-    if config is not None and args.redraft_every:
-        redraft = redrafting(model.tokenizer, document, args.prompt[0], config, args.redraft_every, cache, encoder,
-                             chat=not args.no_chat)
+    config = _retrieval_config(args) if any(slot_method(m).needs_retrieval for m in methods) else None
+    prompt, redraft = document_prompt(model.tokenizer, document, args.prompt[0], config, args.redraft_every,
+                                      chat=not args.no_chat)
     return prompt, config, redraft
 
 
@@ -181,9 +168,8 @@ def _tokenize(ids: list[list[int]] | None, texts: list[str] | None, args, model)
 
 def cmd_generate(args) -> int:
     from specjax.decode.engine import Engine
-    from specjax.decode.sampling import SamplingConfig
-
     from specjax.decode.rapid import RapidConfig
+    from specjax.decode.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     _check_decode_args(args, [args.method])
@@ -198,7 +184,6 @@ def cmd_generate(args) -> int:
     parts = _parts_for(args, model)
     decode = (lambda ids: model.tokenizer.decode(ids)) if model.tokenizer else (lambda ids: None)
     # Readable output for a single text prompt is streamed a chunk of tokens at a time.
-    # Every method streams (speculative ones through the serving step), except multi-pass drafting.
     stream = not args.json and len(prompts) == 1 and model.tokenizer is not None
     printed = [""]
 
@@ -238,7 +223,13 @@ def cmd_generate(args) -> int:
             if len(prompts) > 1:
                 print(f"--- prompt {i} ---")
             print(text if text is not None else " ".join(map(str, ids)), flush=True)
-    s = result.stats
+    _print_generation_stats(result.stats)
+    return 0
+
+
+def _print_generation_stats(s: dict) -> None:
+    """generate's summary on stderr: acceptance, refinement, retrieval, trees, lossiness, speed,
+    memory and precision, each line only where the method reports it."""
     if "tau" in s:
         accept = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"][:8])
         print(f"[{s['method']}] tau {s['tau']:.2f}, acceptance by draft position: {accept}", file=sys.stderr)
@@ -270,7 +261,6 @@ def cmd_generate(args) -> int:
     padded = f", every forward padded to {precision['query_rows']} query rows" if precision["query_rows"] else ""
     print(f"[{s['method']}] precision: {precision['dtype']} compute, {precision['kv_dtype']} KV cache{padded}",
           file=sys.stderr)
-    return 0
 
 
 def _mib(n: int | None) -> str:

@@ -74,6 +74,34 @@ def test_bad_prompts_get_clear_errors(llm, monkeypatch):
         llm.generate("the cat", 4, method="beam")
 
 
+def test_a_document_request_drafts_from_retrieved_chunks_and_stays_exact(llm):
+    """generate(question, document=...): every method reads the whole document; rapid drafts from
+    what retrieval picked (re-retrieving as it goes), and its output is AR's on the same prompt."""
+    document = " ".join(f"the cat number {i} sat on mat {i % 7} and the dog ran to the door." for i in range(4))
+    retrieval = specjax.RetrievalConfig(retriever="bm25", chunk_tokens=24, budget_tokens=48, min_score=0.0)
+    [ar] = llm.generate("where did the dog run", 10, method="ar", document=document, ignore_eos=True)
+    [rapid] = llm.generate("where did the dog run", 10, method="rapid", document=document, retrieval=retrieval,
+                           redraft_every=4, ignore_eos=True, rapid=specjax.RapidConfig(drafts=3))
+    assert rapid.token_ids == ar.token_ids and rapid.prompt_token_ids == ar.prompt_token_ids
+    picked = rapid.metrics["long_context"]
+    assert picked["retriever"] == "bm25" and 0 < picked["selected_tokens"] <= 48
+    assert picked["document_tokens"] > picked["drafting_prompt_tokens"] - 16  # the drafting prompt is the smaller
+    assert "selected_tokens" not in ar.metrics["long_context"]  # AR retrieves nothing
+    with pytest.raises(SpecjaxError, match="apply to a request with a document"):
+        llm.generate("where", 4, retrieval=retrieval)
+    with pytest.raises(SpecjaxError, match="apply to rapid and rapid\\+block"):
+        llm.generate("where", 4, method="chain", document=document, retrieval=retrieval)
+    with pytest.raises(SpecjaxError, match="give one prompt"):
+        llm.generate(["where", "when"], 4, method="ar", document=document)
+
+
+def test_windowing_needs_a_drafter_and_the_memory_comparison_needs_a_window(llm, tiny_with_tokenizer_and_drafter):  # noqa: F811
+    with pytest.raises(SpecjaxError, match="make the LLM with drafter_window"):
+        llm.drafter_memory([64])
+    with pytest.raises(SpecjaxError, match="has none"):
+        specjax.LLM(str(tiny_with_tokenizer_and_drafter / "model"), drafter=None, drafter_window=32)
+
+
 def test_stream_joins_to_generates_text(llm):
     [whole] = llm.generate("the cat sat", 16, method="chain", ignore_eos=True)
     pieces = list(llm.stream("the cat sat", 16, method="chain", every=4, ignore_eos=True))

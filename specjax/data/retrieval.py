@@ -309,3 +309,21 @@ def redrafting(tokenizer, document: str, question: str | list[dict], config: Ret
 
     # Chunks decoded and encoded again may tokenize a little differently: leave room for that.
     return Redraft(every, prompt_for, config.budget_tokens + len(encode(joined(""))) + 64)
+
+
+def document_prompt(tokenizer, document: str, question: str | list[dict], config: RetrievalConfig | None,
+                    redraft_every: int = 0, cache: IndexCache | None = None, chat: bool = True):
+    """(`long_context_prompt`, `redrafting` or None) for one request about a long document, loading
+    the sentence encoder where config's retriever needs one. config None: no retrieval (the
+    methods that read the full prompt alone); redraft_every > 0 (with a config): re-retrieve that often."""
+    encoder = None
+    if config is not None and config.retriever in NEEDS_ENCODER:
+        from specjax.io.encoder import load_sentence_encoder
+
+        encoder = load_sentence_encoder()
+    cache = cache if cache is not None else IndexCache()
+    prompt = long_context_prompt(tokenizer, document, question, config, cache, encoder, chat=chat)
+    redraft = None
+    if config is not None and redraft_every:
+        redraft = redrafting(tokenizer, document, question, config, redraft_every, cache, encoder, chat=chat)
+    return prompt, redraft

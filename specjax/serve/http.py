@@ -206,19 +206,7 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[list[Re
         raw = body.get("prompt")
         if document is not None and not isinstance(raw, str):
             raise BadRequest("with a document, give the prompt (the question) as a string")
-        batch = raw if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw) else [raw]
-        if len(batch) * n > MAX_CHOICES:
-            raise BadRequest(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices; at most {MAX_CHOICES}")
-        prompts = []
-        for one in batch:
-            if isinstance(one, str):
-                if tokenizer is None:
-                    raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
-                prompts.append(tokenizer.encode(one) if one else [])
-            elif isinstance(one, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
-                prompts.append(list(one))
-            else:
-                raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
+        prompts = _completion_prompts(raw, tokenizer, n)
     if not all(prompts):
         raise BadRequest("the prompt is empty")
     stream = body.get("stream", False)
@@ -226,25 +214,7 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[list[Re
         raise BadRequest(f"'stream' must be true or false, got {stream!r}")
     if stream and len(prompts) * n > 1:
         raise BadRequest("streaming returns one choice: use n=1 and one prompt, or stream=false")
-    # specjax's own fields: opt out of speculation, or ask for one of the server's policies.
-    speculation = body.get("speculation", True)
-    if not isinstance(speculation, bool):
-        raise BadRequest(f"'speculation' must be true or false, got {speculation!r}")
-    method = body.get("method")
-    if method is not None and not isinstance(method, str):
-        raise BadRequest(f"'method' must be a string, got {method!r}")
-    fields = dict(
-        max_tokens=_number(body, "max_tokens", int, 16 if not chat else 128, 1, scheduler.config.max_new_tokens),
-        temperature=_number(body, "temperature", float, 1.0, 0.0, 100.0),
-        top_k=max(0, _number(body, "top_k", int, 0, -1, None)),  # OpenAI clients send -1 for "off"
-        top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
-        seed=_number(body, "seed", int, None, 0, 2**63 - 1),
-        stop=_stop_strings(body),
-        speculation=speculation,
-        method=method,
-    )
-    if fields["top_p"] == 0.0:
-        raise BadRequest("'top_p' must be above 0")
+    fields = _request_fields(body, chat, scheduler.config.max_new_tokens)
     retrieval = None
     try:
         if document is None:
@@ -265,6 +235,48 @@ def _parse_request(scheduler: Scheduler, body: Any, chat: bool) -> tuple[list[Re
             for j in range(n)], stream, retrieval
 
 
+def _completion_prompts(raw, tokenizer, n: int) -> list[list[int]]:
+    """/v1/completions' prompt: a string, a list of strings (a batch) or a list of token ids."""
+    batch = raw if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw) else [raw]
+    if len(batch) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(batch)} prompts x n={n} is {len(batch) * n} choices; at most {MAX_CHOICES}")
+    prompts = []
+    for one in batch:
+        if isinstance(one, str):
+            if tokenizer is None:
+                raise BadRequest("this model has no tokenizer; give the prompt as a list of token ids")
+            prompts.append(tokenizer.encode(one) if one else [])
+        elif isinstance(one, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+            prompts.append(list(one))
+        else:
+            raise BadRequest("'prompt' must be a string, a list of strings or a list of token ids")
+    return prompts
+
+
+def _request_fields(body: dict, chat: bool, max_new_tokens: int) -> dict:
+    """The sampling and stopping fields every choice of the body shares, checked."""
+    # specjax's own fields: opt out of speculation, or ask for one of the server's policies.
+    speculation = body.get("speculation", True)
+    if not isinstance(speculation, bool):
+        raise BadRequest(f"'speculation' must be true or false, got {speculation!r}")
+    method = body.get("method")
+    if method is not None and not isinstance(method, str):
+        raise BadRequest(f"'method' must be a string, got {method!r}")
+    fields = dict(
+        max_tokens=_number(body, "max_tokens", int, 16 if not chat else 128, 1, max_new_tokens),
+        temperature=_number(body, "temperature", float, 1.0, 0.0, 100.0),
+        top_k=max(0, _number(body, "top_k", int, 0, -1, None)),  # OpenAI clients send -1 for "off"
+        top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
+        seed=_number(body, "seed", int, None, 0, 2**63 - 1),
+        stop=_stop_strings(body),
+        speculation=speculation,
+        method=method,
+    )
+    if fields["top_p"] == 0.0:
+        raise BadRequest("'top_p' must be above 0")
+    return fields
+
+
 def _usage(result: RequestResult) -> dict:
     prompt = result.metrics.get("prompt_tokens", 0)
     completion = len(result.token_ids)
@@ -275,18 +287,6 @@ def create_app(server: Scheduler | Startup):
     """A FastAPI app serving a scheduler, or one still being built (a Startup)."""
     startup = server if isinstance(server, Startup) else Startup.of(server)
     app = FastAPI(title="specjax", version="0.1")
-    model_name = startup.model_name
-
-    def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                            headers=headers)
-
-    def not_ready():
-        if startup.error is not None:
-            return error(500, f"the server failed to start: {startup.error}", "server_error")
-        return error(503, f"the server is starting (loading and compiling, {time.monotonic() - startup.started:.0f} s "
-                          "so far); GET /ready answers 200 once it serves", "service_unavailable",
-                     headers={"Retry-After": "5"})
 
     @app.get("/health")
     def health():
@@ -300,90 +300,123 @@ def create_app(server: Scheduler | Startup):
     @app.get("/ready")
     def ready():
         if startup.scheduler is None:
-            return not_ready()
+            return _not_ready(startup)
         return {"status": "ready"}
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specjax",
-                                            "max_model_len": startup.context_length}]}
+        return {"object": "list", "data": [{"id": startup.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specjax", "max_model_len": startup.context_length}]}
 
     @app.get("/metrics")
     def metrics():
         if startup.scheduler is None:
-            return not_ready()
+            return _not_ready(startup)
         return PlainTextResponse(startup.scheduler.metrics.prometheus_text(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def complete(http: HttpRequest, chat: bool):
-        scheduler = startup.scheduler
-        if scheduler is None:
-            return not_ready()
-        limit = body_limit(scheduler.config.context_length)
-        declared = http.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return error(413, f"the request body has {int(declared):,} bytes; this server reads at most {limit:,} "
-                              f"(64 per position of its {scheduler.config.context_length}-token context)")
-        raw = await http.body()
-        if len(raw) > limit:
-            return error(413, f"the request body has {len(raw):,} bytes; this server reads at most {limit:,}")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(400, f"the request body is not valid JSON: {exc}")
-        handles = []
-        try:
-            requests, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
-            for request in requests:
-                handles.append(scheduler.submit(request))
-        except (QueueFull, SpecjaxError) as exc:
-            for handle in handles:  # the choices already queued go too: the body is answered as a whole
-                handle.cancel()
-            if isinstance(exc, QueueFull):
-                return error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
-            return error(400, str(exc))
-        created = int(time.time())
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        kind = "chat.completion" if chat else "text_completion"
-        if stream:
-            return StreamingResponse(_sse(http, handles[0], request_id, created, model_name, chat, retrieval),
-                                     media_type="text/event-stream")
-        try:
-            results = [await _wait_or_cancel(http, handle, handles) for handle in handles]
-        except _Disconnected:
-            return error(499, "client disconnected")
-        failed = [r for r in results if r.finish_reason == "error"]
-        if failed:
-            return error(500, failed[0].error or "decoding failed", "server_error")
-        choices = []
-        for index, result in enumerate(results):
-            choice = {"index": index, "finish_reason": _finish_reason(result), "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": result.text}
-            else:
-                choice["text"] = result.text
-                choice["token_ids"] = result.token_ids
-            if len(results) > 1:
-                choice["metrics"] = _with_retrieval(result.metrics, retrieval)
-            choices.append(choice)
-        usage = [_usage(r) for r in results]
-        per_prompt = body.get("n") or 1  # validated by _parse_request; choices come n per prompt
-        prompt_tokens = sum(u["prompt_tokens"] for u in usage[::per_prompt])  # each prompt counted once, as OpenAI does
-        completion_tokens = sum(u["completion_tokens"] for u in usage)
-        return {"id": request_id, "object": kind, "created": created, "model": model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens},
-                "metrics": _with_retrieval(results[0].metrics, retrieval)}
-
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        return await complete(http, chat=False)
+        return await _complete(startup, http, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        return await complete(http, chat=True)
+        return await _complete(startup, http, chat=True)
 
     return app
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    """An error body as OpenAI's API shapes it."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def _not_ready(startup: Startup) -> JSONResponse:
+    if startup.error is not None:
+        return _error(500, f"the server failed to start: {startup.error}", "server_error")
+    return _error(503, f"the server is starting (loading and compiling, {time.monotonic() - startup.started:.0f} s "
+                       "so far); GET /ready answers 200 once it serves", "service_unavailable",
+                  headers={"Retry-After": "5"})
+
+
+async def _read_json_body(http: HttpRequest, context_length: int):
+    """(the parsed body, None), or (None, an error response): a body over the byte limit is refused
+    by its declared length before it is read, and by its length once read."""
+    limit = body_limit(context_length)
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None, _error(413, f"the request body has {int(declared):,} bytes; this server reads at most {limit:,} "
+                                 f"(64 per position of its {context_length}-token context)")
+    raw = await http.body()
+    if len(raw) > limit:
+        return None, _error(413, f"the request body has {len(raw):,} bytes; this server reads at most {limit:,}")
+    try:
+        return json.loads(raw), None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return None, _error(400, f"the request body is not valid JSON: {exc}")
+
+
+async def _complete(startup: Startup, http: HttpRequest, chat: bool):
+    """A completion or chat completion: parse, submit every choice, then stream or answer whole."""
+    scheduler = startup.scheduler
+    if scheduler is None:
+        return _not_ready(startup)
+    body, refused = await _read_json_body(http, scheduler.config.context_length)
+    if refused is not None:
+        return refused
+    handles = []
+    try:
+        requests, stream, retrieval = await run_in_threadpool(_parse_request, scheduler, body, chat)
+        for request in requests:
+            handles.append(scheduler.submit(request))
+    except (QueueFull, SpecjaxError) as exc:
+        for handle in handles:  # the choices already queued go too: the body is answered as a whole
+            handle.cancel()
+        if isinstance(exc, QueueFull):
+            return _error(429, str(exc), "rate_limit_error", headers={"Retry-After": "1"})
+        return _error(400, str(exc))
+    created = int(time.time())
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if stream:
+        return StreamingResponse(_sse(http, handles[0], request_id, created, startup.model_name, chat, retrieval),
+                                 media_type="text/event-stream")
+    try:
+        results = [await _wait_or_cancel(http, handle, handles) for handle in handles]
+    except _Disconnected:
+        return _error(499, "client disconnected")
+    failed = [r for r in results if r.finish_reason == "error"]
+    if failed:
+        return _error(500, failed[0].error or "decoding failed", "server_error")
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": startup.model_name, "choices": _choices(results, chat, retrieval),
+            "usage": _total_usage(results, per_prompt=body.get("n") or 1),  # n validated by _parse_request
+            "metrics": _with_retrieval(results[0].metrics, retrieval)}
+
+
+def _choices(results: list, chat: bool, retrieval) -> list[dict]:
+    choices = []
+    for index, result in enumerate(results):
+        choice = {"index": index, "finish_reason": _finish_reason(result), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+            choice["token_ids"] = result.token_ids
+        if len(results) > 1:
+            choice["metrics"] = _with_retrieval(result.metrics, retrieval)
+        choices.append(choice)
+    return choices
+
+
+def _total_usage(results: list, per_prompt: int) -> dict:
+    """Token counts over every choice; choices come per_prompt (n) to a prompt, and each prompt is
+    counted once, as OpenAI does."""
+    usage = [_usage(r) for r in results]
+    prompt_tokens = sum(u["prompt_tokens"] for u in usage[::per_prompt])
+    completion_tokens = sum(u["completion_tokens"] for u in usage)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 class _Disconnected(Exception):

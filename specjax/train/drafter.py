@@ -204,24 +204,13 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
     progress_path = out_dir / "progress.json"
     resumed = json.loads(progress_path.read_text()) if progress_path.exists() else {}
     done_batches = resumed.get("batches", 0) if resumed.get("digest") == digest else 0
-    mode = "r+" if done_batches else "w+"
-    create = lambda name, dtype, shape: np.memmap(out_dir / name, dtype=dtype, mode=mode, shape=shape)
-    tokens = create("tokens.i32", np.int32, (n, seq_len))
-    labels = create("labels.i32", np.int32, (n, seq_len))
-    valid = create("valid.u8", np.uint8, (n, seq_len))
-    features = create("features.f16", np.float16, (n, seq_len, taps, d))
-    if topk:
-        topk_ids = create("topk_ids.i32", np.int32, (n, seq_len, topk))
-        topk_logprobs = create("topk_logprobs.f16", np.float16, (n, seq_len, topk))
-
+    arrays = _set_arrays(out_dir, "r+" if done_batches else "w+", n, seq_len, taps, d, topk)
     check_at_least(1, width_bucket=width_bucket, batch_size=batch_size)
     run = partial(_features_pass, target_params, config=target_config, target_layer_ids=tuple(target_layer_ids),
                   topk=topk)
 
-    arrays = (tokens, labels, valid, features) + ((topk_ids, topk_logprobs) if topk else ())
-
     def save_progress(batches: int) -> None:
-        for array in arrays:
+        for array in arrays.values():
             array.flush()
         partial_path = progress_path.with_suffix(".partial")
         partial_path.write_text(json.dumps({"digest": digest, "batches": batches}))
@@ -241,26 +230,12 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         batch = np.zeros((batch_size, width), np.int32)  # a fixed row count: one compilation per width
         for i, r in enumerate(chunk):
             batch[i, : len(rows[r][0])] = rows[r][0]
-        hidden, argmax, best_ids, best_logprobs = jax.device_get(run(jnp.asarray(batch)))
-        for i, row in enumerate(chunk):
-            ids, start = rows[row]
-            # Positions from `width` on stay as created: zero, and never valid.
-            tokens[row, :width] = batch[i]
-            features[row, :width] = hidden[i]
-            if topk:  # the distribution of the token at t comes from the logits at t - 1, as labels do
-                topk_ids[row, 1:width] = best_ids[i, :-1]
-                topk_logprobs[row, 1:width] = best_logprobs[i, :-1]
-            if teacher_labels:
-                labels[row, 1:width] = argmax[i, :-1]
-            else:
-                labels[row, :width] = batch[i]
-            mask = np.zeros(seq_len, np.uint8)
-            mask[max(start, 1) : len(ids)] = 1
-            valid[row] = mask
+        outputs = jax.device_get(run(jnp.asarray(batch)))
+        _write_rows(arrays, rows, chunk, batch, outputs, teacher_labels)
         if time.monotonic() - last_save >= save_every_s:
             save_progress(index + 1)
             last_save = time.monotonic()
-    for array in arrays:
+    for array in arrays.values():
         array.flush()
     progress_path.unlink(missing_ok=True)
     (out_dir / "meta.json").write_text(json.dumps({
@@ -268,6 +243,40 @@ def build_distillation_set(target_params, target_config: TransformerConfig, sequ
         "teacher_labels": teacher_labels, "topk": topk,
     }))
     return DistillationSet.open(out_dir)
+
+
+def _set_arrays(out_dir: Path, mode: str, n: int, seq_len: int, taps: int, d: int, topk: int) -> dict:
+    """The stored set's memory-mapped arrays, by name: created ("w+") or reopened to resume ("r+")."""
+    create = lambda name, dtype, shape: np.memmap(out_dir / name, dtype=dtype, mode=mode, shape=shape)  # noqa: E731
+    arrays = {"tokens": create("tokens.i32", np.int32, (n, seq_len)),
+              "labels": create("labels.i32", np.int32, (n, seq_len)),
+              "valid": create("valid.u8", np.uint8, (n, seq_len)),
+              "features": create("features.f16", np.float16, (n, seq_len, taps, d))}
+    if topk:
+        arrays["topk_ids"] = create("topk_ids.i32", np.int32, (n, seq_len, topk))
+        arrays["topk_logprobs"] = create("topk_logprobs.f16", np.float16, (n, seq_len, topk))
+    return arrays
+
+
+def _write_rows(arrays: dict, rows: list, chunk: list[int], batch: np.ndarray, outputs, teacher_labels: bool) -> None:
+    """Store one features pass over `batch` ([B, width]) at the set rows `chunk` it holds."""
+    hidden, argmax, best_ids, best_logprobs = outputs
+    width, seq_len = batch.shape[1], arrays["tokens"].shape[1]
+    for i, row in enumerate(chunk):
+        ids, start = rows[row]
+        # Positions from `width` on stay as created: zero, and never valid.
+        arrays["tokens"][row, :width] = batch[i]
+        arrays["features"][row, :width] = hidden[i]
+        if "topk_ids" in arrays:  # the distribution of the token at t comes from the logits at t - 1, as labels do
+            arrays["topk_ids"][row, 1:width] = best_ids[i, :-1]
+            arrays["topk_logprobs"][row, 1:width] = best_logprobs[i, :-1]
+        if teacher_labels:
+            arrays["labels"][row, 1:width] = argmax[i, :-1]
+        else:
+            arrays["labels"][row, :width] = batch[i]
+        mask = np.zeros(seq_len, np.uint8)
+        mask[max(start, 1) : len(ids)] = 1
+        arrays["valid"][row] = mask
 
 
 def _log(message: str) -> None:

@@ -172,10 +172,9 @@ def train(
     each batch is split over `data` and `fsdp`, and checkpoints are written and read sharded, so a
     run resumes on a mesh of another shape.
 
-    With several processes (jax.distributed), every process runs this with the same arguments;
-    out_dir must be on a filesystem they share. Process 0 alone writes the metrics, and the params
-    come back whole, as numpy, on every process.
-    """
+    With several processes (jax.distributed), every process runs this with the same arguments and
+    out_dir on a filesystem they share; process 0 alone writes the metrics, and the params come
+    back whole, as numpy, on every process."""
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
@@ -184,48 +183,14 @@ def train(
     tx = make_optimizer(optimizer)
     schedule = make_schedule(optimizer)
     mesh = loop.mesh.build() if loop.mesh.size > 1 else None
-    if mesh is None:
-        state = TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
-    else:
-        # Moments follow their parameters' rules (same paths) and are made on their devices, never
-        # whole on one (they are twice the weights); the step counter is replicated.
-        params = shard_parameters(init_params, mesh)
-        moments = shard_parameters(jax.eval_shape(tx.init, params), mesh)
-        opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda a: a.sharding, moments))(params)
-        state = shard_parameters(TrainState(step=jnp.int32(0), params=params, opt_state=opt_state), mesh)
-
+    state = _initial_state(init_params, tx, mesh)
     manager = ocp.CheckpointManager(
         out_dir / "checkpoints",
         options=ocp.CheckpointManagerOptions(max_to_keep=loop.keep_checkpoints, create=True),
     )
-    start = 0
-    if manager.latest_step() is not None:
-        start = int(manager.latest_step())
-        # The abstract state carries this run's shardings, so orbax reads each array onto the
-        # current mesh whatever mesh wrote it.
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_dict(state))
-        try:
-            restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-        except Exception as e:
-            raise SpecjaxError(
-                f"cannot resume from {out_dir / 'checkpoints'} step {start}: {e}. "
-                "Was it written by a run with a different model or optimizer config?"
-            ) from None
-        state = TrainState(step=restored["step"], params=restored["params"], opt_state=restored["opt_state"])
-
-    def train_step(state: TrainState, batch, rng):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": _tree_norm(grads), **aux}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    # Donating the old state lets XLA update params and moments in place.
-    if mesh is None:
-        train_step = jax.jit(train_step, donate_argnums=(0,))
-    else:  # the state keeps its placement from step to step
-        placed = jax.tree.map(lambda a: a.sharding, state)
-        train_step = jax.jit(train_step, donate_argnums=(0,), out_shardings=(placed, None))
+    state, start = _resumed(manager, state, out_dir)
+    train_step = _compiled_train_step(loss_fn, tx, state, mesh)
+    if mesh is not None:
         batch_fn = _placed_batches(batch_fn, mesh)
 
     # Process 0 alone writes metrics and draws the progress bar; every process computes them.
@@ -247,11 +212,10 @@ def train(
             losses.append(loss)
             bar.update(1)
             if done % loop.log_every == 0 or done == loop.steps:
-                record = {k: float(v) for k, v in metrics.items()}
-                record["learning_rate"] = float(schedule(step))
-                record["elapsed_s"] = time.perf_counter() - started
                 if writer is not None:
-                    writer.write(done, record)
+                    writer.write(done, {**{k: float(v) for k, v in metrics.items()},
+                                        "learning_rate": float(schedule(step)),
+                                        "elapsed_s": time.perf_counter() - started})
                 bar.set_postfix(loss=f"{loss:.4f}")
             if eval_fn is not None and loop.eval_every and (done % loop.eval_every == 0 or done == loop.steps):
                 evaluated = eval_fn(state.params)
@@ -267,13 +231,66 @@ def train(
         if writer is not None:
             writer.close()
         manager.close()
-    if jax.process_count() > 1:
-        # No process can read another's slices: every process gets the whole params on its host,
-        # and reads the metrics file only once process 0 has closed it.
-        params = to_host(state.params)
-        barrier(f"specjax/trained/{out_dir}")
-        return params, losses
-    return state.params, losses
+    return _whole_params(state, out_dir), losses
+
+
+def _whole_params(state: TrainState, out_dir: Path):
+    """The trained params; over several processes, whole on every host, once process 0 has closed
+    the metrics file (no process can read another's slices)."""
+    if jax.process_count() == 1:
+        return state.params
+    params = to_host(state.params)
+    barrier(f"specjax/trained/{out_dir}")
+    return params
+
+
+def _initial_state(init_params, tx, mesh: Mesh | None) -> TrainState:
+    """Step 0: the parameters and fresh optimizer moments, placed by the sharding rules on a mesh."""
+    if mesh is None:
+        return TrainState(step=jnp.int32(0), params=init_params, opt_state=tx.init(init_params))
+    # Moments follow their parameters' rules (same paths) and are made on their devices, never
+    # whole on one (they are twice the weights); the step counter is replicated.
+    params = shard_parameters(init_params, mesh)
+    moments = shard_parameters(jax.eval_shape(tx.init, params), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda a: a.sharding, moments))(params)
+    return shard_parameters(TrainState(step=jnp.int32(0), params=params, opt_state=opt_state), mesh)
+
+
+def _resumed(manager, state: TrainState, out_dir: Path) -> tuple[TrainState, int]:
+    """(the latest checkpoint's state, its step), or (state, 0) when there is none."""
+    import orbax.checkpoint as ocp
+
+    if manager.latest_step() is None:
+        return state, 0
+    start = int(manager.latest_step())
+    # The abstract state carries this run's shardings, so orbax reads each array onto the
+    # current mesh whatever mesh wrote it.
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_dict(state))
+    try:
+        restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:
+        raise SpecjaxError(
+            f"cannot resume from {out_dir / 'checkpoints'} step {start}: {e}. "
+            "Was it written by a run with a different model or optimizer config?"
+        ) from None
+    return TrainState(step=restored["step"], params=restored["params"], opt_state=restored["opt_state"]), start
+
+
+def _compiled_train_step(loss_fn, tx, state: TrainState, mesh: Mesh | None):
+    """(state, batch, rng) -> (state, metrics): one optimizer step, jitted with the old state donated
+    (XLA updates params and moments in place) and, on a mesh, kept where it is placed."""
+
+    def train_step(state: TrainState, batch, rng):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": _tree_norm(grads), **aux}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=(0,))
+    placed = jax.tree.map(lambda a: a.sharding, state)
+    return jax.jit(train_step, donate_argnums=(0,), out_shardings=(placed, None))
 
 
 def _placed_batches(batch_fn: Callable[[int], Any], mesh: Mesh) -> Callable[[int], Any]:

@@ -196,142 +196,177 @@ def sharegpt_training_requests(recipe: DistillRecipe) -> tuple[list, list]:
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
     """(train sets, held-out set); each stage is skipped when its folder is complete."""
     from specjax.data.corpora import load_split
-    from specjax.data.prompts import (HELDOUT_CHAT_PROMPTS, code_task_prompts, everyday_chat_prompts, heldout_prompts,
-                                      math_word_prompts, training_chat_prompts)
-    from specjax.train.drafter import DistillationSet, build_distillation_set, without_looping
-    from specjax.train.selfdistill import (GeneratorConfig, generate_continuations, read_continuations,
-                                           self_instruct_prompts)
+    from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
+    from specjax.train.drafter import without_looping
 
     if model.tokenizer is None:
         raise SpecjaxError("the target has no tokenizer; distillation needs text prompts")
-    tok = model.tokenizer
+    data = _DataBuilder(model, recipe, out_dir, taps)
+    train_docs, _ = load_split(recipe.corpora)
+    sets = []
+    if recipe.chat_prompts:
+        sets.append(data.continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed),
+                                       out_dir / "chat", "chat"))
+    if recipe.everyday_prompts:
+        sets.append(data.continuations(everyday_chat_prompts(recipe.everyday_prompts, recipe.seed),
+                                       out_dir / "everyday", "everyday chat"))
+    for count, make, name in ((recipe.math_prompts, math_word_prompts, "math"),
+                              (recipe.code_prompts, code_task_prompts, "code")):
+        if count:
+            sets.append(data.continuations(make(count, recipe.seed), out_dir / name, f"{name} tasks"))
+    if recipe.self_instruct_prompts:
+        sets.append(data.self_instruct())
+    if recipe.sharegpt_prompts or recipe.sharegpt_replies:
+        asked, replied = sharegpt_training_requests(recipe)
+        if asked:
+            sets.append(data.continuations([list(r.messages) for r in asked], out_dir / "sharegpt",
+                                           "ShareGPT requests"))
+        if replied:
+            sets.append(data.sharegpt_replies(replied))
+    heldout, looping = without_looping(data.heldout())
+    if looping:
+        _log(f"held-out {'ShareGPT' if recipe.heldout_sharegpt else 'chat'}: {looping} of "
+             f"{heldout.num_sequences + looping} answers are stuck in a loop "
+             "(distinct-3 under 0.5) and are left out of the acceptance estimate")
+    if recipe.corpus_sequences:
+        sets.append(data.corpus(train_docs))
+    return sets, heldout
 
-    def done(folder: Path) -> bool:
+
+class _DataBuilder:
+    """Builds a recipe's distillation sets in out_dir, each once: a complete folder is reused."""
+
+    def __init__(self, model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
+        from specjax.train.selfdistill import GeneratorConfig
+
+        self.model, self.recipe, self.out_dir, self.taps = model, recipe, out_dir, taps
+        self.tok = model.tokenizer
+        # Prompts longer than half a sequence are skipped, not cut: a cut prompt loses the chat
+        # template's closing "assistant" turn.
+        self.generator = GeneratorConfig(batch_size=recipe.generate_batch, max_prompt_tokens=recipe.seq_len // 2,
+                                         max_new_tokens=recipe.seq_len - recipe.seq_len // 2,
+                                         refill_rows=max(1, recipe.generate_batch // 4))
+        self.answered_before = _answered_prompts(recipe.avoid_prompts_from)
+
+    @staticmethod
+    def _done(folder: Path) -> bool:
         return (folder / "meta.json").exists()
 
-    # Prompts longer than half a sequence are skipped, not cut: a cut prompt loses the chat
-    # template's closing "assistant" turn.
-    generator = GeneratorConfig(batch_size=recipe.generate_batch, max_prompt_tokens=recipe.seq_len // 2,
-                                max_new_tokens=recipe.seq_len - recipe.seq_len // 2,
-                                refill_rows=max(1, recipe.generate_batch // 4))
+    def _stores(self, folder: Path) -> bool:
+        """Whether the set keeps the target's features (held-out sets always do: they are scored often)."""
+        return self.recipe.features == "stored" or folder.name.startswith("heldout")
 
-    def continuations(prompts: list[str], folder: Path, what: str):
-        built_once(lambda: done(folder), lambda: build_continuations(prompts, folder, what), f"{what} data in {folder}")
+    def _set(self, folder: Path, rows: list, teacher_labels: bool) -> None:
+        from specjax.train.drafter import build_distillation_set
+
+        stored = self._stores(folder)
+        build_distillation_set(self.model.params, self.model.config, rows, folder, self.taps, self.recipe.seq_len,
+                               teacher_labels=teacher_labels, topk=self.recipe.target_topk if stored else 0,
+                               store_features=stored)
+
+    def _open(self, folder: Path, build, what: str):
+        from specjax.train.drafter import DistillationSet
+
+        built_once(lambda: self._done(folder), build, f"{what} in {folder}")
         return DistillationSet.open(folder)
 
-    answered_before = _answered_prompts(recipe.avoid_prompts_from)
+    def continuations(self, prompts: list, folder: Path, what: str):
+        """The set of the target's greedy answers to `prompts` (text or chat messages)."""
+        return self._open(folder, lambda: self._build_continuations(prompts, folder, what), f"{what} data")
 
-    def build_continuations(prompts: list, folder: Path, what: str) -> None:
+    def _build_continuations(self, prompts: list, folder: Path, what: str) -> None:
+        from specjax.train.selfdistill import generate_continuations, read_continuations
+
+        generator, tok = self.generator, self.tok
         # A prompt is text or chat messages; a conversation that does not fit loses its earliest turns
         # (a text prompt that does not fit is skipped by the generator, which counts it).
         ids = [tok.encode_chat(p) if isinstance(p, str) else fit_chat_prompt(tok, p, generator.max_prompt_tokens)
                for p in prompts]
         ids = [i for i in ids if i is not None]
-        if answered_before and not folder.name.startswith("heldout"):
-            fresh = [i for i in ids if tuple(i) not in answered_before]
+        if self.answered_before and not folder.name.startswith("heldout"):
+            fresh = [i for i in ids if tuple(i) not in self.answered_before]
             if len(fresh) < len(ids):
                 _log(f"{what}: {len(ids) - len(fresh)} of {len(ids)} prompts were answered in an earlier run "
-                     f"({', '.join(recipe.avoid_prompts_from)}); left out")
+                     f"({', '.join(self.recipe.avoid_prompts_from)}); left out")
             ids = fresh
         _log(f"{what}: greedy continuations of {len(ids)} prompts ({generator.batch_size} rows, refilled as they finish)")
         path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
-        report = generate_continuations(model.params, model.config, ids, path, generator, model.eos_token_ids)
+        report = generate_continuations(self.model.params, self.model.config, ids, path, generator,
+                                        self.model.eos_token_ids)
         if report.sequences:
             _log(f"{what}: {report.new_tokens:,} new tokens at {report.tokens_per_s:.0f} tokens/s"
                  + (f"; {report.skipped_long_prompts} prompts too long, skipped" if report.skipped_long_prompts else ""))
         found = read_continuations(path)
         if not found:
             raise SpecjaxError(f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
-                               f"(half of the sequence length {recipe.seq_len}); raise --seq-len")
-        sequences = [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)]
-        stored = recipe.features == "stored" or folder.name.startswith("heldout")
-        build_distillation_set(model.params, model.config, sequences, folder, taps, recipe.seq_len,
-                               teacher_labels=False, topk=recipe.target_topk if stored else 0,
-                               store_features=stored)
+                               f"(half of the sequence length {self.recipe.seq_len}); raise --seq-len")
+        self._set(folder, [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)], teacher_labels=False)
 
-    train_docs, _ = load_split(recipe.corpora)
-    sets = []
-    if recipe.chat_prompts:
-        sets.append(continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed), out_dir / "chat",
-                                  "chat"))
-    if recipe.everyday_prompts:
-        sets.append(continuations(everyday_chat_prompts(recipe.everyday_prompts, recipe.seed), out_dir / "everyday",
-                                  "everyday chat"))
-    for count, make, name in ((recipe.math_prompts, math_word_prompts, "math"),
-                              (recipe.code_prompts, code_task_prompts, "code")):
-        if count:
-            sets.append(continuations(make(count, recipe.seed), out_dir / name, f"{name} tasks"))
-    if recipe.self_instruct_prompts:
-        written = out_dir / "self_instruct.prompts.json"
+    def self_instruct(self):
+        """Requests the target writes itself from instructions, then answers."""
+        from specjax.train.selfdistill import self_instruct_prompts
+
+        recipe, written = self.recipe, self.out_dir / "self_instruct.prompts.json"
 
         def write_requests() -> None:
             _log(f"self-instruct: the target writes requests for {recipe.self_instruct_prompts} instructions")
-            writer = dataclasses.replace(generator, max_new_tokens=48, max_prompt_tokens=128)
-            requests = self_instruct_prompts(model.params, model.config, tok, recipe.self_instruct_prompts,
-                                             out_dir / "self_instruct.requests.jsonl", writer, model.eos_token_ids,
-                                             recipe.seed)
+            writer = dataclasses.replace(self.generator, max_new_tokens=48, max_prompt_tokens=128)
+            requests = self_instruct_prompts(self.model.params, self.model.config, self.tok,
+                                             recipe.self_instruct_prompts, self.out_dir / "self_instruct.requests.jsonl",
+                                             writer, self.model.eos_token_ids, recipe.seed)
             _log(f"self-instruct: {len(requests)} distinct requests kept")
             written.write_text(json.dumps(requests, indent=0))
 
         built_once(written.exists, write_requests, f"self-instruct requests in {written}")
-        sets.append(continuations(json.loads(written.read_text()), out_dir / "self_instruct", "self-instruct"))
-    if recipe.sharegpt_prompts or recipe.sharegpt_replies:
-        asked, replied = sharegpt_training_requests(recipe)
-        if asked:
-            sets.append(continuations([list(r.messages) for r in asked], out_dir / "sharegpt", "ShareGPT requests"))
-        if replied:
-            folder = out_dir / "sharegpt_replies"
+        return self.continuations(json.loads(written.read_text()), self.out_dir / "self_instruct", "self-instruct")
 
-            def build_replies() -> None:
-                rows = []
-                for r in replied:
-                    prompt = fit_chat_prompt(tok, r.messages, recipe.seq_len // 2)
-                    if prompt is not None:
-                        reply = tok.encode(r.reply, add_special_tokens=False) + list(model.eos_token_ids[:1])
-                        rows.append((prompt + reply, len(prompt)))
-                _log(f"ShareGPT replies: {len(rows)} of {len(replied)} requests fit; teacher-forcing their replies")
-                stored = recipe.features == "stored"
-                build_distillation_set(model.params, model.config, rows, folder, taps, recipe.seq_len,
-                                       teacher_labels=True, topk=recipe.target_topk if stored else 0,
-                                       store_features=stored)
+    def sharegpt_replies(self, replied: list):
+        """ShareGPT's recorded replies teacher-forced through the target (its argmax as labels)."""
+        folder, tok = self.out_dir / "sharegpt_replies", self.tok
 
-            built_once(lambda: done(folder), build_replies, f"ShareGPT reply data in {folder}")
-            sets.append(DistillationSet.open(folder))
-    if recipe.heldout_sharegpt:
-        from specjax.data.sharegpt import sharegpt_requests
+        def build() -> None:
+            rows = []
+            for r in replied:
+                prompt = fit_chat_prompt(tok, r.messages, self.recipe.seq_len // 2)
+                if prompt is not None:
+                    reply = tok.encode(r.reply, add_special_tokens=False) + list(self.model.eos_token_ids[:1])
+                    rows.append((prompt + reply, len(prompt)))
+            _log(f"ShareGPT replies: {len(rows)} of {len(replied)} requests fit; teacher-forcing their replies")
+            self._set(folder, rows, teacher_labels=True)
 
-        held = sharegpt_requests("heldout", "first")[: recipe.heldout_sharegpt]
-        heldout = continuations([list(r.messages) for r in held], out_dir / "heldout_sharegpt",
-                                "held-out ShareGPT")
-    else:
+        return self._open(folder, build, "ShareGPT reply data")
+
+    def heldout(self):
+        """The target's answers to the held-out requests the in-training tau estimate replays."""
+        from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, heldout_prompts
+
+        if self.recipe.heldout_sharegpt:
+            from specjax.data.sharegpt import sharegpt_requests
+
+            held = sharegpt_requests("heldout", "first")[: self.recipe.heldout_sharegpt]
+            return self.continuations([list(r.messages) for r in held], self.out_dir / "heldout_sharegpt",
+                                      "held-out ShareGPT")
         # The demo prompts and the held-out set's chat prompts: 42 answers, so that no single answer
         # dominates the acceptance estimate; answers stuck in a loop are left out of it.
-        heldout = continuations(list(HELDOUT_CHAT_PROMPTS) + heldout_prompts("chat"), out_dir / "heldout_chat",
-                                "held-out chat")
-    heldout, looping = without_looping(heldout)
-    if looping:
-        _log(f"held-out {'ShareGPT' if recipe.heldout_sharegpt else 'chat'}: {looping} of "
-             f"{heldout.num_sequences + looping} answers are stuck in a loop "
-             "(distinct-3 under 0.5) and are left out of the acceptance estimate")
-    corpus_dir = out_dir / "corpus"
+        return self.continuations(list(HELDOUT_CHAT_PROMPTS) + heldout_prompts("chat"),
+                                  self.out_dir / "heldout_chat", "held-out chat")
 
-    def build_corpus() -> None:
-        rng = np.random.default_rng(recipe.seed)
-        windows = []
-        stream_docs = [d for d in train_docs if len(d.text) > 4 * recipe.seq_len * 4]
-        for _ in range(recipe.corpus_sequences):
-            doc = stream_docs[rng.integers(len(stream_docs))]
-            start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
-            ids = tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
-            windows.append((ids[: recipe.seq_len], 1))
-        stored = recipe.features == "stored"
-        build_distillation_set(model.params, model.config, windows, corpus_dir, taps, recipe.seq_len,
-                               teacher_labels=True, topk=recipe.target_topk if stored else 0, store_features=stored)
+    def corpus(self, train_docs: list):
+        """Teacher-forced windows of the training corpora."""
+        recipe, folder = self.recipe, self.out_dir / "corpus"
 
-    if recipe.corpus_sequences:
-        built_once(lambda: done(corpus_dir), build_corpus, f"corpus data in {corpus_dir}")
-        sets.append(DistillationSet.open(corpus_dir))
-    return sets, heldout
+        def build() -> None:
+            rng = np.random.default_rng(recipe.seed)
+            windows = []
+            stream_docs = [d for d in train_docs if len(d.text) > 4 * recipe.seq_len * 4]
+            for _ in range(recipe.corpus_sequences):
+                doc = stream_docs[rng.integers(len(stream_docs))]
+                start = int(rng.integers(0, len(doc.text) - 4 * recipe.seq_len * 4))
+                ids = self.tok.encode(doc.text[start : start + 6 * recipe.seq_len], add_special_tokens=False)
+                windows.append((ids[: recipe.seq_len], 1))
+            self._set(folder, windows, teacher_labels=True)
+
+        return self._open(folder, build, "corpus data")
 
 
 def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRecipe = DistillRecipe(),

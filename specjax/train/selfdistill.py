@@ -227,19 +227,7 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_cut_line(out_path)
-    finished = read_continuations(out_path)
-    # A resumed run must be answering the same prompt list: indices are positions in it.
-    strangers = [i for i, (prompt, _) in finished.items() if i >= len(prompts) or list(prompts[i]) != prompt]
-    if strangers:
-        raise SpecjaxError(f"{out_path} holds answers to other prompts than these ({len(strangers)} of {len(finished)}, "
-                           f"first at index {min(strangers)}): it was made with another prompt list (another seed, "
-                           "count or --avoid-prompts-from); write to a new folder")
-    todo = [i for i in range(len(prompts)) if i not in finished]
-    too_long = [i for i in todo if not 0 < len(prompts[i]) <= gen.max_prompt_tokens]
-    # Prompts of similar length are inserted together, so an insert call pads little, and shortest
-    # first, so the cache can start narrow and grow.
-    ordered = sorted((i for i in todo if i not in set(too_long)), key=lambda i: len(prompts[i]))
+    ordered, too_long = _prompts_to_answer(out_path, prompts, gen)
     queue: Iterator[int] = iter(ordered)
     pending = len(ordered)
     _check_disk(out_path.parent, pending, gen)
@@ -264,14 +252,7 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
             done, lengths, generated = jax.device_get((state.done, state.lengths, state.num_generated))
             ready = np.flatnonzero(done & (owner >= 0))
             if len(ready):
-                tokens = np.asarray(jax.device_get(state.tokens[jnp.asarray(ready)]))
-                for row, ids in zip(ready, tokens):
-                    start = int(lengths[row]) + 1 - int(generated[row])
-                    sink.write(json.dumps({"index": int(owner[row]), "prompt": ids[:start].tolist(),
-                                           "generated": ids[start : lengths[row] + 1].tolist()}) + "\n")
-                    new_tokens += int(generated[row])
-                    owner[row] = -1
-                sink.flush()
+                new_tokens += _write_answers(sink, state, ready, owner, lengths, generated)
                 answered += len(ready)
                 bar.update(len(ready))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
@@ -303,6 +284,39 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
             state = decode_steps(params, state, **statics)
     bar.close()
     return GenerationReport(answered, new_tokens, time.perf_counter() - started, len(too_long), tuple(widths))
+
+
+def _prompts_to_answer(out_path: Path, prompts: Sequence[Sequence[int]], gen: GeneratorConfig):
+    """(indices of the prompts still to answer, shortest first; indices of those too long to fit),
+    after the answers already in out_path, which must be to these same prompts."""
+    _drop_cut_line(out_path)
+    finished = read_continuations(out_path)
+    # A resumed run must be answering the same prompt list: indices are positions in it.
+    strangers = [i for i, (prompt, _) in finished.items() if i >= len(prompts) or list(prompts[i]) != prompt]
+    if strangers:
+        raise SpecjaxError(f"{out_path} holds answers to other prompts than these ({len(strangers)} of {len(finished)}, "
+                           f"first at index {min(strangers)}): it was made with another prompt list (another seed, "
+                           "count or --avoid-prompts-from); write to a new folder")
+    todo = [i for i in range(len(prompts)) if i not in finished]
+    too_long = [i for i in todo if not 0 < len(prompts[i]) <= gen.max_prompt_tokens]
+    # Prompts of similar length are inserted together, so an insert call pads little, and shortest
+    # first, so the cache can start narrow and grow.
+    ordered = sorted((i for i in todo if i not in set(too_long)), key=lambda i: len(prompts[i]))
+    return ordered, too_long
+
+
+def _write_answers(sink, state, ready: np.ndarray, owner: np.ndarray, lengths, generated) -> int:
+    """Append the finished rows' answers to sink and free their rows; the tokens they generated."""
+    new_tokens = 0
+    tokens = np.asarray(jax.device_get(state.tokens[jnp.asarray(ready)]))
+    for row, ids in zip(ready, tokens):
+        start = int(lengths[row]) + 1 - int(generated[row])
+        sink.write(json.dumps({"index": int(owner[row]), "prompt": ids[:start].tolist(),
+                               "generated": ids[start : lengths[row] + 1].tolist()}) + "\n")
+        new_tokens += int(generated[row])
+        owner[row] = -1
+    sink.flush()
+    return new_tokens
 
 
 def self_instruct_prompts(params, config: TransformerConfig, tokenizer, count: int, out_path: str | Path,

@@ -142,13 +142,16 @@ def tree_attention(
 
     q: [B, T, H, D]; cache_k, cache_v: [B, S, Kh, D]; prefix_lengths: [B] int; tree_k, tree_v:
     [B, T, Kh, D]; tree_mask: [B, T, T] bool; scores: the logits' scale and optional soft cap.
-    Returns [B, T, H, D] in q.dtype. prefix_lengths are clamped to [0, S]. interpret=None runs the Pallas interpreter when the default backend is the CPU
-    and compiles with Triton otherwise; debug=True prints the kernel's jaxpr and lowered IR.
+    Returns [B, T, H, D] in q.dtype. prefix_lengths are clamped to [0, S]. interpret=None runs the
+    Pallas interpreter when the default backend is the CPU and compiles with Triton otherwise;
+    debug=True prints the kernel's jaxpr and lowered IR.
 
     Choosing S as a multiple of block_sizes.block_k avoids a padded copy of the cache on every call.
     float32 matmuls follow `jax_default_matmul_precision` like XLA's do: TF32 on NVIDIA GPUs unless it
     is "highest" (then IEEE float32).
     """
+    # Kept whole (over 80 lines): the padded shapes and the BlockSpecs below are one contract with
+    # the kernel's index maps and block loops, and read best side by side.
     dims = check_tree_attention_shapes(q, cache_k, cache_v, prefix_lengths, tree_k, tree_v, tree_mask)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
