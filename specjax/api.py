@@ -46,8 +46,9 @@ class Completion:
     """"stop" (an end-of-sequence token) or "length" (max_tokens reached)."""
     metrics: dict
     """This request's speculative metrics: method, tau (tokens committed per verify step), the
-    accepted-length histogram of its steps, its new tokens; and under "batch" the call's tokens/s,
-    wall and compile seconds and the target's precision."""
+    accepted-length histogram of its steps, its new tokens; and under "batch" the call's tokens/s
+    (and the decode loop's alone, without the prefill), prefill, wall and compile seconds, the
+    target's precision, the memory the call allocated, and "lossy" where an opt-in lossy option ran."""
 
 
 class BenchReport(dict):
@@ -294,7 +295,8 @@ class LLM:
     def _completions(self, ids: list[list[int]], result) -> list[Completion]:
         stats = result.stats
         eos = set(self.model.eos_token_ids)
-        batch = {k: stats[k] for k in ("tokens_per_s", "wall_s", "compile_s", "new_tokens", "precision") if k in stats}
+        batch = {k: stats[k] for k in ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "wall_s", "compile_s",
+                                       "new_tokens", "precision", "memory", "lossy") if k in stats}
         rows = stats.get("row_accepted_length_histograms")
         out = []
         for i, (prompt, tokens) in enumerate(zip(ids, result.tokens)):

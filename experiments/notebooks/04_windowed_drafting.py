@@ -55,23 +55,20 @@ MAX_NEW_TOKENS = 64                        # new tokens decoded after it
 import matplotlib.pyplot as plt
 import numpy as np
 
-from specjax.decode.bench import Variant, format_table, run_variants
-from specjax.decode.engine import Engine
-from specjax.decode.memory import memory_report
-from specjax.decode.parts import PartsSpec, resolve_parts
-from specjax.notebook import load_target, summary
+import specjax
+from specjax.notebook import summary
 
-model = load_target(ENV)
 # The same committed drafter twice: with full attention, and windowed with the committed compressor.
-full = resolve_parts(["chain"], model, "smollm2").drafter
-windowed = resolve_parts(["chain"], model, "smollm2", PartsSpec(drafter_window=WINDOW)).drafter
+llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None)
+windowed_llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None, drafter_window=WINDOW)
+model, full, windowed = llm.model, llm.drafter, windowed_llm.drafter
 w = windowed.config.window
 print(f"drafter: {full.config.num_layers} layer, block {full.config.block_size}; windowed: window {w.window}, "
       f"segment {w.segment}, {w.summaries} summary tokens per finished segment")
 
 # %% [markdown]
 # ## Drafter memory against context length
-# `memory_report` sizes the drafter's context state as decoding allocates it (shapes only, exact
+# `drafter_memory` sizes the drafter's context state as decoding allocates it (shapes only, exact
 # bytes), and compiles (never runs) one drafting step at each length to read the peak of the
 # program's buffers as XLA assigned them on this backend. The step's weights (the drafter and the
 # token embedding it reads) are a constant part of that peak, so it is plotted above them.
@@ -82,7 +79,7 @@ print(f"drafter: {full.config.num_layers} layer, block {full.config.block_size};
 # smaller, and from then on only the summaries grow.
 
 # %%
-report = memory_report(model.config, model.params, windowed.config, windowed.params, w, CONTEXTS, progress=False)
+report = windowed_llm.drafter_memory(CONTEXTS)
 mib = lambda values: np.asarray([np.nan if v is None else v / 2**20 for v in values], float)  # noqa: E731
 state = {name: mib(report["drafter_kv_bytes"][name]) for name in ("full", "windowed")}
 peak = {name: mib(report["peak_bytes"][name]) - report["weights_bytes"][name] / 2**20 for name in ("full", "windowed")}
@@ -100,8 +97,8 @@ print("peaks:", report["peak_source"])
 # %% [markdown]
 # ## One long prompt, decoded three ways
 # A passage of *Persuasion* (held out from the drafter's and the compressor's training), as raw text
-# for the model to continue. `run_variants` alternates the methods, keeps compilation out of the
-# timing, and compares each output with AR's.
+# for the model to continue. Each `bench` alternates AR and chain on it, keeps compilation out of
+# the timing, and compares the chain's output with AR's.
 
 # %%
 from specjax.data.corpora import load_corpus
@@ -110,20 +107,20 @@ book = next(d for d in load_corpus("austen") if d.title == "Persuasion").text
 start = book.index("\n\n", len(book) // 3) + 2  # a paragraph a third of the way in
 passage = model.tokenizer.encode(book[start:], add_special_tokens=False)[:PROMPT_TOKENS]
 print(f"prompt: {len(passage)} tokens of Persuasion, from {model.tokenizer.decode(passage[:16])!r} ...")
-engines = {"full": Engine(model, full), "windowed": Engine(model, windowed)}
-variants = [Variant("ar", engines["full"], "ar"), Variant("chain", engines["full"], "chain"),
-            Variant(f"chain, window {WINDOW}", engines["windowed"], "chain")]
-bench = run_variants(variants, [passage], MAX_NEW_TOKENS, progress=False)
-print(format_table(bench))
-chain, windowed_chain = bench["methods"]["chain"], bench["methods"][f"chain, window {WINDOW}"]
+bench = llm.bench([passage], ("ar", "chain"), MAX_NEW_TOKENS, progress=False)
+windowed_bench = windowed_llm.bench([passage], {"ar": "ar", f"chain, window {WINDOW}": "chain"}, MAX_NEW_TOKENS,
+                                    progress=False)
+print(bench, windowed_bench, sep="\n")
+chain, windowed_chain = bench["methods"]["chain"], windowed_bench["methods"][f"chain, window {WINDOW}"]
 
 # %% [markdown]
 # What the two decodes allocated for the drafter (their `stats["memory"]`), and the figure.
 
 # %%
 used = {}
-for name in ("full", "windowed"):
-    stats = engines[name].generate([passage], MAX_NEW_TOKENS, method="chain").stats["memory"]
+for name, one in (("full", llm), ("windowed", windowed_llm)):
+    [out] = one.generate(passage, MAX_NEW_TOKENS, method="chain")
+    stats = out.metrics["batch"]["memory"]
     used[name] = (stats["cache_length"], stats["drafter_state_bytes"])
     print(f"{name:>8}: drafter state {stats['drafter_state_bytes'] / 2**20:.3f} MiB for a cache of "
           f"{stats['cache_length']} positions ({stats['drafter_attention']} attention)")

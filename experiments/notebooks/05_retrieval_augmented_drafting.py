@@ -67,18 +67,19 @@ import statistics
 import matplotlib.pyplot as plt
 import numpy as np
 
+import specjax
+# The tasks and the retrieval index come from specjax's data layer, for the analysis below; decoding
+# goes through the public API alone.
 from specjax.data.corpora import load_corpus
 from specjax.data.longbench import build_tasks, is_correct
-from specjax.data.retrieval import IndexCache, RetrievalConfig, describe_long_context, long_context_prompt
-from specjax.decode.engine import Engine
-from specjax.decode.parts import resolve_parts
-from specjax.decode.rapid import RapidConfig
-from specjax.notebook import load_target, summary
+from specjax.data.retrieval import IndexCache, describe_long_context, long_context_prompt
+from specjax.notebook import summary
 
-model = load_target(ENV)
-drafter = resolve_parts(METHODS, model, "smollm2").drafter  # None unless rapid+block is asked for
-engine = Engine(model, drafter, prompt_bucket=512)  # prompts padded to 512s: the tasks share compiled programs
-config = RetrievalConfig(retriever=RETRIEVER, chunk_tokens=CHUNK_TOKENS, budget_tokens=RETRIEVAL_BUDGET)
+# A drafter only for rapid+block; prompts padded to 512s, so the tasks share compiled programs.
+llm = specjax.LLM("smollm2", dtype=ENV.dtype, drafter="default" if "rapid+block" in METHODS else None, refiner=None,
+                  prompt_bucket=512)
+model = llm.model
+config = specjax.RetrievalConfig(retriever=RETRIEVER, chunk_tokens=CHUNK_TOKENS, budget_tokens=RETRIEVAL_BUDGET)
 encoder = None
 if RETRIEVER == "minilm":
     from specjax.io.encoder import load_sentence_encoder
@@ -135,29 +136,30 @@ plt.show()
 # the prefill of the long prompt is reported on its own.
 
 # %%
-def options(method, prompt):
-    if method == "rapid":
-        return dict(drafting_prompts=[prompt.drafting], rapid=RapidConfig(drafts=RAPID_DRAFTS))
-    if method == "rapid+block":
-        return dict(drafting_prompts=[prompt.drafting])
-    return {}
+def answer(task, method):
+    """One needle task decoded by `method`: the whole haystack and the question for every method,
+    and for rapid and rapid+block drafts from the chunks retrieval picks for the question."""
+    retrieves = method in ("rapid", "rapid+block")
+    options = {"rapid": specjax.RapidConfig(drafts=RAPID_DRAFTS)} if method == "rapid" else {}
+    [out] = llm.generate(task.question, MAX_NEW_TOKENS, method=method, document=task.context,
+                         retrieval=config if retrieves else None, **options)
+    return out
 
 
 for method in METHODS:  # warm-up, untimed
-    engine.generate([prompts[0].full], MAX_NEW_TOKENS, method=method, **options(method, prompts[0]))
+    answer(tasks[0], method)
 results = {m: [] for m in METHODS}
-for task, prompt in zip(tasks, prompts):
+for task in tasks:
     for method in METHODS:
-        out = engine.generate([prompt.full], MAX_NEW_TOKENS, method=method, **options(method, prompt))
-        text = model.tokenizer.decode(out.tokens[0])
-        decoded = len(out.tokens[0]) - 1  # the prefill gives the first token, the decode loop the rest
-        steps = out.stats.get("verify_steps", decoded)  # AR: one target pass per token
-        results[method].append({"tokens": out.tokens[0], "text": text, "correct": is_correct(task, text),
-                                "steps": steps, "decoded": decoded,
-                                "step_ms": 1e3 * decoded / out.stats["decode_tokens_per_s"] / max(steps, 1),
-                                "decode_tokens_per_s": out.stats["decode_tokens_per_s"],
-                                "prefill_s": out.stats["prefill_s"], "tau": out.stats.get("tau"),
-                                "lossy": "lossy" in out.stats})
+        out = answer(task, method)
+        decoded = len(out.token_ids) - 1  # the prefill gives the first token, the decode loop the rest
+        # A verify step per entry of the histogram's sum; AR: one target pass per token.
+        steps = sum(out.metrics["accepted_length_histogram"]) if "tau" in out.metrics else decoded
+        rate = out.metrics["batch"]["decode_tokens_per_s"]
+        results[method].append({"tokens": out.token_ids, "text": out.text, "correct": is_correct(task, out.text),
+                                "steps": steps, "decoded": decoded, "step_ms": 1e3 * decoded / rate / max(steps, 1),
+                                "decode_tokens_per_s": rate, "prefill_s": out.metrics["batch"]["prefill_s"],
+                                "tau": out.metrics.get("tau"), "lossy": "lossy" in out.metrics["batch"]})
     print(f"{task.source}: answer {task.answer!r}; AR said {results['ar'][-1]['text'].strip()[:60]!r}")
 
 table = {}
