@@ -511,7 +511,8 @@ def _serve_config(args, policies: tuple[str, ...] | None = None):
                        prefill_chunk=args.prefill_chunk, insert_rows=args.insert_rows, controller=controller,
                        snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
                        retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
-                       preemption=args.preemption, ngram=_ngram_config(args))
+                       preemption=args.preemption, ngram=_ngram_config(args),
+                       compile_rest=args.compile_rest.replace("-", "_"))
 
 
 def cmd_serve(args) -> int:
@@ -552,8 +553,8 @@ def cmd_serve(args) -> int:
 
 def _serve_http(args, model, build) -> int:
     """Listen at once (/health answers), build and compile the scheduler on a thread (/ready answers
-    200 once every policy is compiled, so no background compile takes the cores from requests), serve
-    until SIGINT/SIGTERM, then drain."""
+    200 once every policy is compiled, or with --compile-rest while-idle once the start policy is, the
+    rest compiling only while the server is idle), serve until SIGINT/SIGTERM, then drain."""
     import signal
 
     import uvicorn
@@ -562,7 +563,8 @@ def _serve_http(args, model, build) -> int:
 
     def ready_scheduler():
         scheduler = build()
-        scheduler.wait_compiled()
+        if scheduler.config.compile_rest == "before_ready":
+            scheduler.wait_compiled()
         print(f"[specjax] ready: {time.monotonic() - startup.started:.1f} s after listening", file=sys.stderr,
               flush=True)
         return scheduler
@@ -1122,6 +1124,9 @@ def _add_serve_command(sub) -> None:
     srv.add_argument("--preemption", choices=["park", "recompute"], default="park",
                      help="a request preempted under --kv-budget-mib: park its slot's state in host memory and write "
                           "it back (exact at any precision), or recompute its tokens so far (no host memory)")
+    srv.add_argument("--compile-rest", choices=["before-ready", "while-idle"], default="before-ready",
+                     help="adaptive: compile the policies besides the start policy before /ready answers 200, or "
+                          "after, one program at a time and only while no request is running or waiting")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")

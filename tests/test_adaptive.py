@@ -727,3 +727,49 @@ def test_the_run_report_reads_snapshots_and_requests_and_rejects_bad_logs(tmp_pa
     assert "bad.jsonl:2" in capsys.readouterr().err
     (tmp_path / "empty.jsonl").write_text("\n")
     assert main(["report", str(tmp_path / "empty.jsonl")]) != 0
+
+
+def test_compiling_the_rest_while_idle_waits_out_every_request(target, drafter, monkeypatch):
+    """compile_rest="while_idle": the server serves on its start policy at once, and each of the
+    other policies' programs is compiled only while no request runs or waits; once idle, every
+    policy is compiled and timed. The first background compile is held until a burst is submitted,
+    so its gate meets a busy server."""
+    import threading
+    import time
+
+    from specjax.serve.programs import Programs
+
+    burst_submitted, holder, compiles = threading.Event(), {}, []
+    original = Programs.compile_steps
+
+    def recording(self, policy, progress=None, before_each=None):
+        def gate():
+            if before_each is not None:  # a background compile: the scheduler exists by now
+                burst_submitted.wait(timeout=600)
+                before_each()
+                compiles.append((policy, holder["s"].num_running, holder["s"].num_waiting))
+        return original(self, policy, progress, gate)
+
+    monkeypatch.setattr(Programs, "compile_steps", recording)
+    config = ServeConfig(method="adaptive", slots=2, context_length=64, max_new_tokens=24, steps_per_sync=2,
+                         prompt_bucket=16, controller=ControllerConfig(policies=("ar", "chain"), remember=False),
+                         compile_rest="while_idle")
+    scheduler = holder["s"] = Scheduler(target, drafter, config, latency_cache=None)
+    try:
+        start = scheduler.controller.current
+        assert scheduler.controller.ready == {start}  # serving before the rest is compiled
+        handles = [scheduler.submit(Request((3, 1, 4, 1, 5, i), max_tokens=24)) for i in range(6)]
+        burst_submitted.set()
+        outputs = [h.result(timeout=600).token_ids for h in handles]
+        assert scheduler.wait_compiled(timeout=600)
+        assert scheduler.controller.ready == {"ar", "chain"}
+        assert compiles and all(running == waiting == 0 for _, running, waiting in compiles), compiles
+        assert scheduler.warmup.idle_waits >= 1  # the first gate met the burst and waited it out
+        assert all(len(o) == 24 or o[-1] in target.eos_token_ids for o in outputs)
+    finally:
+        scheduler.shutdown(drain=False)
+
+
+def test_compile_rest_is_checked():
+    with pytest.raises(SpecjaxError, match="compile_rest"):
+        ServeConfig(compile_rest="later")

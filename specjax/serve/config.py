@@ -55,6 +55,12 @@ class ServeConfig:
     stopped; "recompute" re-prefills its prompt and its tokens so far, as vLLM's default does, which
     needs no host memory, but in bf16 the recomputed K/V round differently from those the decode
     steps wrote, and can change the tokens that follow."""
+    compile_rest: str = "before_ready"
+    """When an adaptive server compiles the policies besides the one it starts on: "before_ready"
+    (the server answers /ready only once every policy is compiled and timed, so no compile ever
+    shares the cores with a request) or "while_idle" (ready once the start policy is compiled; the
+    rest compile one program at a time, each only while no request is running or waiting, and the
+    controller takes each policy up once it is timed)."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
@@ -88,6 +94,8 @@ class ServeConfig:
                        insert_rows=self.insert_rows)
         if self.drafting_length is not None:
             check_at_least(1, drafting_length=self.drafting_length)
+        if self.compile_rest not in ("before_ready", "while_idle"):
+            raise SpecjaxError(f"compile_rest must be 'before_ready' or 'while_idle', got {self.compile_rest!r}")
         if self.preemption not in ("park", "recompute"):
             raise SpecjaxError(f"preemption must be 'park' or 'recompute', got {self.preemption!r}")
         check_at_least(0, prefill_chunk=self.prefill_chunk)

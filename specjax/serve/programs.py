@@ -121,12 +121,17 @@ class Programs:
 
     # ---- ahead-of-time compilation ----
 
-    def compile_steps(self, policy: str, progress: CompileProgress | None = None) -> None:
+    def compile_steps(self, policy: str, progress: CompileProgress | None = None,
+                      before_each: Callable[[], None] | None = None) -> None:
+        """The policy's step at every (attention length, live-row bucket); before_each runs ahead
+        of each compile (a background compiler waits there for the server to be idle)."""
         shapes = self.shapes
         progress = progress or CompileProgress(len(shapes.attend_buckets) * len(shapes.row_buckets),
                                                f"the {policy} step")
         for attend in shapes.attend_buckets:
             for rows in shapes.row_buckets:
+                if before_each is not None:
+                    before_each()
                 self.compiled["step", policy, attend, rows] = self.program(
                     "step", method=policy, statics=self.statics, attend_slots=attend, rows=rows,
                 ).lower(self.parts, self.state_shape).compile()

@@ -130,7 +130,8 @@ class Scheduler:
         if self.drafts_from_retrieval and config.retrieval.retriever in NEEDS_ENCODER:
             self._encoder = load_sentence_encoder()
         self.warmup = Warmup(self.programs, self.controller, self.reporter, config, self._device_lock,
-                             lambda: self._stopping, priors_loaded)
+                             lambda: self._stopping, priors_loaded,
+                             idle=lambda: not self.table.live and not self.table.waiting)
         self.metrics.policy(self.policy, None)
         if compile_now:
             self.warmup.compile()

@@ -25,22 +25,31 @@ class Warmup:
     """Compiles and times a server's programs; `compile` at start-up, `wait_compiled` for readiness."""
 
     def __init__(self, programs: Programs, controller: Controller, reporter: StepReporter, config: ServeConfig,
-                 device_lock: threading.Lock, stopping: Callable[[], bool], priors_loaded: bool):
+                 device_lock: threading.Lock, stopping: Callable[[], bool], priors_loaded: bool,
+                 idle: Callable[[], bool] = lambda: True):
         """device_lock: held while timing, so serving and measuring do not share the cores;
-        stopping: True once the server shuts down (the background compiler then stops)."""
+        stopping: True once the server shuts down (the background compiler then stops);
+        idle: True while no request is running or waiting (config.compile_rest "while_idle")."""
         self.programs, self.controller, self.reporter, self.config = programs, controller, reporter, config
         self.shapes, self.statics, self.parts = programs.shapes, programs.statics, programs.parts
         self.policies = programs.shapes.policies
         self._device_lock, self._stopping, self.priors_loaded = device_lock, stopping, priors_loaded
+        self._idle = idle
+        self.idle_waits = 0
+        """Times the background compiler waited for the server to go idle (compile_rest "while_idle")."""
         self.compile_seconds = 0.0
         """Seconds the start-up compile took (the start policy's steps and every insert)."""
         self._compiler: threading.Thread | None = None
 
-    def make_ready(self, policy: str, compile_steps: bool = True, progress: CompileProgress | None = None) -> None:
+    def make_ready(self, policy: str, compile_steps: bool = True, progress: CompileProgress | None = None,
+                   while_idle: bool = False) -> None:
         """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
-        attention length, with every row live), and hand both to the controller."""
+        attention length, with every row live), and hand both to the controller. while_idle: each
+        compile and the timing wait until no request is running or waiting."""
         if compile_steps:
-            self.programs.compile_steps(policy, progress)
+            self.programs.compile_steps(policy, progress, self._wait_for_idle if while_idle else None)
+        if while_idle:
+            self._wait_for_idle()
         if len(self.policies) == 1:  # a fixed method: nothing to choose, so nothing to time
             self.controller.mark_ready(policy, {})
             return
@@ -50,13 +59,22 @@ class Warmup:
         log.info("policy %s ready: %s s per call by live-row bucket", policy,
                  ", ".join(f"{r}: {c:.3f}" for r, c in costs.items()))
 
+    def _wait_for_idle(self) -> None:
+        """Return once the server has no request running or waiting (or is stopping)."""
+        if self._idle() or self._stopping():
+            return
+        self.idle_waits += 1
+        while not (self._idle() or self._stopping()):
+            time.sleep(0.05)
+
     def _compile_rest(self, policies: tuple[str, ...]) -> None:
         started = time.perf_counter()
+        while_idle = self.config.compile_rest == "while_idle"
         for policy in policies:
             if self._stopping():
                 return
             try:
-                self.make_ready(policy)
+                self.make_ready(policy, while_idle=while_idle)
             except Exception:  # noqa: BLE001 - a policy that fails to compile is left out, not fatal
                 log.exception("policy %s failed to compile; the controller will not use it", policy)
         # Timings taken while other policies compiled shared the cores with XLA: time every policy
@@ -64,7 +82,7 @@ class Warmup:
         for policy in sorted(self.controller.ready):
             if self._stopping():
                 return
-            self.make_ready(policy, compile_steps=False)
+            self.make_ready(policy, compile_steps=False, while_idle=while_idle)
         # The first requests arrive one at a time: start on what is fastest for one live row.
         start = self.controller.choose_start(self.shapes.row_buckets[0], self.shapes.attend_buckets[0])
         print(f"[specjax] adaptive: {len(self.controller.ready)} policies ready "
