@@ -2,13 +2,15 @@
 # Issue 46: cold and warm start-up of `specjax serve` (to /health 200 and to /ready 200) and of `specjax demo`,
 # on this host; the compilation cache is cleared before each cold start.
 #   bash experiments/startup_times.sh [OUT_DIR]    (OUT_DIR/startup.jsonl, and each run's log)
+# SERVE_ARGS adds serve flags (e.g. "--compile-rest while-idle"); STARTS picks the starts, in order, from
+# serve-cold serve-warm demo-cold demo-warm (default: all four; a cold start clears the cache first).
 cd "$(dirname "$0")/.."
 out=${1:-runs/startup}
 mkdir -p $out
 port=18431
 serve_once() {  # $1: label
   local start=$(date +%s.%N) health= ready=
-  specjax serve --slots 8 --port $port > $out/serve-$1.log 2>&1 &
+  specjax serve --slots 8 --port $port $SERVE_ARGS > $out/serve-$1.log 2>&1 &
   local pid=$!
   while kill -0 $pid 2>/dev/null; do
     now=$(date +%s.%N)
@@ -17,7 +19,7 @@ serve_once() {  # $1: label
     sleep 0.5
   done
   kill -TERM $pid; wait $pid
-  echo "{\"what\": \"serve $1\", \"seconds_to_health\": $health, \"seconds_to_ready\": $ready}" | tee -a $out/startup.jsonl
+  echo "{\"what\": \"serve $1\", \"serve_args\": \"$SERVE_ARGS\", \"seconds_to_health\": $health, \"seconds_to_ready\": $ready}" | tee -a $out/startup.jsonl
 }
 demo_once() {
   local start=$(date +%s.%N)
@@ -25,9 +27,7 @@ demo_once() {
   echo "{\"what\": \"demo $1\", \"seconds\": $(echo "$(date +%s.%N) - $start" | bc)}" | tee -a $out/startup.jsonl
 }
 rm -f $out/startup.jsonl
-specjax cache clear
-serve_once cold
-serve_once warm
-specjax cache clear
-demo_once cold
-demo_once warm
+for start in ${STARTS:-serve-cold serve-warm demo-cold demo-warm}; do
+  [ "${start#*-}" = cold ] && specjax cache clear
+  ${start%-*}_once ${start#*-}
+done
