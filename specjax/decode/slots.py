@@ -237,8 +237,9 @@ class SlotStatics:
 
     @property
     def step_writes(self) -> int:
-        """Most cache slots one verify step writes past a row's length: the block, or the largest tree."""
-        return max((self.block,) + self.tree_buckets)
+        """Most cache slots one step of any method writes past a row's length (the block, or the
+        largest tree): the registry's one rule, `policy_writes`, at its largest."""
+        return max(self.policy_writes(name) for name in SLOT_METHODS)
 
     def policy_writes(self, policy: str) -> int:
         """Most cache slots one step of `policy` writes past a row's length (SlotMethod.writes)."""
