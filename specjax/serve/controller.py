@@ -268,6 +268,8 @@ class Controller:
         if start not in self.policies:
             raise SpecjaxError(f"start policy {start!r} is not among the policies {self.policies}")
         self.current = start
+        self.cached_startup_s: dict[tuple[str, int], float] = {}
+        """(policy, live-row bucket) -> start-up seconds per call, from the last run's priors."""
         self.ready: set[str] = set()
         self.pinned: str | None = None
         # c_j, j = 1..block-1: conditional acceptance at draft position j (prior 0.5: no opinion).
@@ -396,10 +398,12 @@ class Controller:
     # ---- what an earlier run learned ----
 
     def priors(self) -> dict:
-        """What this run measured of acceptance, for the next start on this machine and model."""
+        """What this run measured of acceptance and of each policy's start-up cost, for the next
+        start on this machine and model."""
         return {"block": self.block,
                 "acceptance": [float(c) if seen else None for c, seen in zip(self.acceptance, self.acceptance_seen)],
-                "observed_tau": dict(self.observed_tau)}
+                "observed_tau": dict(self.observed_tau),
+                "startup_s": [[policy, rows, seconds] for (policy, rows), seconds in sorted(self.startup_s.items())]}
 
     def load_priors(self, priors: dict) -> bool:
         """Start from an earlier run's acceptance in place of the 0.5 no-opinion prior. They stay
@@ -411,6 +415,30 @@ class Controller:
             if value is not None:
                 self.acceptance[j] = value
         self.observed_tau.update({p: t for p, t in priors.get("observed_tau", {}).items() if p in self.policies})
+        self.cached_startup_s = {(policy, int(rows)): float(seconds) for policy, rows, seconds in
+                                 priors.get("startup_s", []) if policy in self.policies}
+        return True
+
+    def cached_costs(self, policy: str, row_buckets: Sequence[int]) -> dict[int, float] | None:
+        """The policy's start-up cost per live-row bucket as the last run on this machine measured
+        it, or None where any is missing."""
+        cached = {rows: self.cached_startup_s.get((policy, rows)) for rows in row_buckets}
+        return None if None in cached.values() else cached
+
+    def choose_cached_start(self, row_buckets: Sequence[int], attend: int) -> bool:
+        """Before anything is compiled: start on the policy the last run's measured costs and
+        acceptance predict fastest for one live row (as choose_start does once every policy is
+        timed). False, and the start unchanged, where the cache lacks a policy's costs."""
+        cached = {p: self.cached_costs(p, row_buckets) for p in self.policies}
+        if None in cached.values():
+            return False
+        startup, ready = self.startup_s, self.ready
+        self.startup_s = {(p, rows): s for p, costs in cached.items() for rows, s in costs.items()}
+        self.ready = set(self.policies)
+        try:
+            self.choose_start(row_buckets[0], attend)
+        finally:
+            self.startup_s, self.ready = startup, ready
         return True
 
     def load_priors_file(self, path: Path) -> bool:
@@ -422,9 +450,9 @@ class Controller:
             return False
 
     def save_priors_file(self, path: Path) -> None:
-        """Keep this run's acceptance for the next start (nothing when no call was observed); the
-        file is replaced whole, so a crash mid-write leaves the last one."""
-        if not self.calls:
+        """Keep this run's acceptance and start-up costs for the next start (nothing when it has
+        neither); the file is replaced whole, so a crash mid-write leaves the last one."""
+        if not self.calls and not self.startup_s:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,9 @@ class Scheduler:
         self._priors_path = (self._controller_priors_path(drafter) if self.adaptive and config.controller.remember
                              else None)
         priors_loaded = self._priors_path is not None and self.controller.load_priors_file(self._priors_path)
+        # Start (and compile first) the policy the last run's costs favour here, not always the chain.
+        self.started_from_cache = priors_loaded and self.controller.choose_cached_start(shapes.row_buckets,
+                                                                                      shapes.attend_buckets[0])
         # Windowing relief needs a drafter that reads a full-attention context cache: not a windowed
         # drafter's ring (bounded already), nor rapid's drafting context (the target's own cache).
         full_context = drafter is not None and drafter.config.window is None and self.statics.rapid is None
