@@ -219,6 +219,37 @@ class LLM:
                                         list(question), config, redraft_every, self._index_cache, chat=chat)
         return long, config, redraft
 
+    def draft_blocks(self, contexts: Sequence[Sequence[int]], anchors: Sequence[int] | None = None):
+        """The drafter's greedy block after each context (token ids), anchored at `anchors` (the
+        token committed after each context; None: the target's greedy next token): what a greedy
+        chain step would verify there. Returns (drafts [P, K] int, the target's greedy next token
+        after each context [P]); K = block - 1. For looking inside a drafter, as notebook 01 does."""
+        import jax.numpy as jnp
+
+        from specjax.decode.sampling import SamplingConfig as Sampling
+        from specjax.decode.speculative import draft_block, start_speculation
+        from specjax.models.transformer import head_matrix
+
+        if self.drafter is None:
+            raise SpecjaxError("draft_blocks needs a drafter; this LLM has none")
+        contexts = [self.encode(c) for c in contexts]
+        if not contexts or not all(contexts):
+            raise SpecjaxError("draft_blocks needs at least one non-empty context")
+        longest = max(map(len, contexts))
+        padded = jnp.asarray([c + [0] * (longest - len(c)) for c in contexts])  # [P, T]
+        lengths = jnp.asarray([len(c) for c in contexts])  # [P]
+        model, drafter = self.model, self.drafter
+        greedy_next, _, context = start_speculation(model.params, model.config, drafter.params, drafter.config, padded,
+                                                    lengths, longest + drafter.config.block_size, Sampling(), None)
+        if anchors is not None and len(anchors) != len(contexts):
+            raise SpecjaxError(f"one anchor per context: {len(anchors)} anchors for {len(contexts)} contexts")
+        anchor = greedy_next if anchors is None else jnp.asarray(list(anchors), jnp.int32)  # [P]
+        vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
+        logits = draft_block(model.params, model.config, drafter.params, drafter.config, anchor, lengths, context,
+                             head_matrix(model.params, model.config, vocab))  # [P, K, V']
+        best = jnp.argmax(logits, -1)
+        return np.asarray(best if vocab is None else vocab[best]), np.asarray(greedy_next)
+
     def drafter_memory(self, contexts: Sequence[int], batch: int = 1) -> dict:
         """For each context length (tokens): the target's KV bytes, the drafter's context state with
         full attention and windowed, and the peak of one compiled drafting step with each

@@ -164,3 +164,19 @@ def test_the_readmes_python_example_runs_on_a_tiny_model(tiny_with_tokenizer_and
                                                  "REFINER": str(root / "refiner")})
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "chain" in printed and "tree" in printed  # the bench table
+
+
+def test_draft_blocks_are_what_a_greedy_chain_step_verifies(llm):
+    """The first step of a greedy chain after a prompt verifies the drafter's block anchored at the
+    prefill's token: its accepted length is the run of draft_blocks' drafts that match AR's tokens."""
+    [ar] = llm.generate("the cat sat", 12, method="ar", ignore_eos=True)
+    drafts, greedy_next = llm.draft_blocks([ar.prompt_token_ids])
+    assert drafts.shape == (1, llm.drafter.config.block_size - 1) and greedy_next.tolist() == [ar.token_ids[0]]
+    matched = int(np.cumprod(drafts[0] == np.asarray(ar.token_ids[1: 1 + drafts.shape[1]])).sum())
+    # The prefill's token and one verify step's matched + 1: the whole answer is that one step.
+    [chain] = llm.generate("the cat sat", matched + 2, method="chain", ignore_eos=True)
+    histogram = chain.metrics["accepted_length_histogram"]
+    assert sum(histogram) == 1 and histogram[matched] == 1, (matched, histogram)
+    assert chain.token_ids == ar.token_ids[: matched + 2]
+    with pytest.raises(SpecjaxError, match="one anchor per context"):
+        llm.draft_blocks([ar.prompt_token_ids], anchors=[1, 2])

@@ -47,12 +47,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import specjax
-from specjax.data.prompts import HELDOUT_CHAT_PROMPTS
 from specjax.notebook import summary
 
 llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None)  # the target with its committed drafter
 model, drafter = llm.model, llm.drafter
-texts = HELDOUT_CHAT_PROMPTS[:PROMPTS]
+texts = specjax.HELDOUT_CHAT_PROMPTS[:PROMPTS]
 prompts = [llm.encode(t) for t in texts]
 print(f"drafter: {drafter.config.num_layers} layer, block {drafter.config.block_size}, "
       f"head over {len(drafter.draft_vocab) if drafter.draft_vocab is not None else 'all'} tokens")
@@ -89,32 +88,16 @@ plt.show()
 # with the most accepted drafts.
 
 # %%
-import jax.numpy as jnp
-
-from specjax.decode.sampling import SamplingConfig
-from specjax.decode.speculative import draft_block, start_speculation
-from specjax.models.transformer import head_matrix
-
 outputs = report["methods"]["ar"]["outputs"]
 shown_prompt = max(range(len(prompts)), key=lambda i: len(outputs[i]))  # the longest answer has most blocks
 answer = outputs[shown_prompt]  # AR's greedy tokens after that prompt
 positions = list(range(max(1, len(answer) - 1)))
 contexts = [prompts[shown_prompt] + answer[:p] for p in positions]
-longest = max(map(len, contexts))
-padded = jnp.asarray([c + [0] * (longest - len(c)) for c in contexts])  # [P, T]
-lengths = jnp.asarray([len(c) for c in contexts])  # [P]
-prefill_next, _, context = start_speculation(model.params, model.config, drafter.params, drafter.config, padded,
-                                            lengths, longest + drafter.config.block_size, SamplingConfig(), None)
 # Each block is anchored at the token AR committed there. A batched prefill is not the computation
 # AR's one-token steps are, so in bf16 its own next token can differ at near-ties; count them.
-anchor = jnp.asarray([answer[p] for p in positions])  # [P]
-differ = int(np.sum(np.asarray(prefill_next) != np.asarray(anchor)))
+drafts, prefill_next = llm.draft_blocks(contexts, anchors=[answer[p] for p in positions])  # [P, K], [P]
+differ = int(np.sum(prefill_next != np.asarray([answer[p] for p in positions])))
 print(f"the replay's prefill predicts AR's token at {len(positions) - differ} of {len(positions)} positions")
-vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
-logits = draft_block(model.params, model.config, drafter.params, drafter.config, anchor, lengths, context,
-                     head_matrix(model.params, model.config, vocab))  # [P, K, V']
-best = jnp.argmax(logits, -1)
-drafts = np.asarray(best if vocab is None else vocab[best])  # [P, K]
 
 def accepted_drafts(p):
     truth = answer[p + 1 : p + 1 + drafts.shape[1]]
