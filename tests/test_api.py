@@ -146,22 +146,20 @@ def test_without_a_drafter_the_default_method_is_ar(tiny_with_tokenizer_and_draf
         plain.generate("the cat sat", 4, method="chain")
 
 
-def test_the_readmes_python_example_runs_on_a_tiny_model(tiny_with_tokenizer_and_drafter, capsys,  # noqa: F811
-                                                         monkeypatch):
-    """README.md's Python block, run as written except for the model it loads (a tiny one here)."""
+def test_the_readmes_python_example_runs_on_a_tiny_model(llm, capsys, monkeypatch):
+    """README.md's Python block, run as written except for the model it loads: this module's tiny
+    one, already loaded (its engine keeps the programs the other tests compiled)."""
     import re
     from pathlib import Path
 
     import specjax.data.prompts
 
-    root = tiny_with_tokenizer_and_drafter
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     [example] = re.findall(r"```python\n(.*?)```", readme, re.S)
     assert 'specjax.LLM("smollm2")' in example
-    example = example.replace('specjax.LLM("smollm2")', "specjax.LLM(MODEL, drafter=DRAFTER, refiner=REFINER)")
+    example = example.replace('specjax.LLM("smollm2")', "TINY_LLM")
     monkeypatch.setattr(specjax.data.prompts, "HELDOUT_CHAT_PROMPTS", ("the cat sat", "the dog ran to"))
-    exec(compile(example, "README.md", "exec"), {"MODEL": str(root / "model"), "DRAFTER": str(root / "drafter"),
-                                                 "REFINER": str(root / "refiner")})
+    exec(compile(example, "README.md", "exec"), {"TINY_LLM": llm})
     printed = capsys.readouterr().out
     assert "tokens/s" in printed and "chain" in printed and "tree" in printed  # the bench table
 
