@@ -235,14 +235,14 @@ class LLM:
         contexts = [self.encode(c) for c in contexts]
         if not contexts or not all(contexts):
             raise SpecjaxError("draft_blocks needs at least one non-empty context")
+        if anchors is not None and len(anchors) != len(contexts):
+            raise SpecjaxError(f"one anchor per context: {len(anchors)} anchors for {len(contexts)} contexts")
         longest = max(map(len, contexts))
         padded = jnp.asarray([c + [0] * (longest - len(c)) for c in contexts])  # [P, T]
         lengths = jnp.asarray([len(c) for c in contexts])  # [P]
         model, drafter = self.model, self.drafter
         greedy_next, _, context = start_speculation(model.params, model.config, drafter.params, drafter.config, padded,
                                                     lengths, longest + drafter.config.block_size, Sampling(), None)
-        if anchors is not None and len(anchors) != len(contexts):
-            raise SpecjaxError(f"one anchor per context: {len(anchors)} anchors for {len(contexts)} contexts")
         anchor = greedy_next if anchors is None else jnp.asarray(list(anchors), jnp.int32)  # [P]
         vocab = None if drafter.draft_vocab is None else jnp.asarray(drafter.draft_vocab)
         logits = draft_block(model.params, model.config, drafter.params, drafter.config, anchor, lengths, context,

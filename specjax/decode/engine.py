@@ -12,7 +12,7 @@ import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -332,10 +332,13 @@ class Engine:
         else:
             state, redrafted = jax.block_until_ready(run(parts, state)), None
         wall_s = time.perf_counter() - start
+        # What the stats read, in one transfer (the auto state in a second, as it may be None).
+        host = _Finished(*to_host(tuple(getattr(state, name) for name in _Finished._fields)))
+        auto = None if state.auto is None else to_host(state.auto)
         if remembers:
-            self._auto_memory[shape.batch] = to_host(state.auto)
-        tokens, counts = to_host((state.tokens, state.num_generated))
-        rows = [tokens[i, : counts[i]].tolist() for i in range(shape.batch)]
+            self._auto_memory[shape.batch] = auto
+        counts = host.num_generated
+        rows = [host.tokens[i, : counts[i]].tolist() for i in range(shape.batch)]
         # The prefill gives each row its first token; the decode loop the rest. At long context the
         # prefill dominates a short answer's wall time, so the decode rate is reported on its own.
         timing = {"compile_s": compile_s, "wall_s": wall_s, "prefill_s": prefill_s,
@@ -346,8 +349,8 @@ class Engine:
             return GenerationResult(rows, {
                 "method": shape.method, "tokens_per_s": new_tokens / wall_s, "new_tokens": new_tokens, **timing,
                 "memory": decode_memory(statics.target_config, None, shape.batch, shape.cache_length, run_for_memory)})
-        stats = self._speculative_slot_stats(shape, statics, parts, state, timing, latency, run_for_memory,
-                                             steps_before)
+        stats = self._speculative_slot_stats(shape, statics, parts, state, host, auto, timing, latency,
+                                             run_for_memory, steps_before)
         stats["streamed"] = on_tokens is not None
         if retrieval is not None and shape.drafting_length > 0:
             stats["drafting_context_tokens"] = [int(n) for n in np.asarray(retrieval[1])]
@@ -447,12 +450,12 @@ class Engine:
         return state, {"redraft_every": redraft.every, "redrafts": redrafts, "redraft_s": redraft_s,
                        "redraft_prefill_tokens": redraft_tokens}
 
-    def _speculative_slot_stats(self, shape: DecodeRequestShape, statics, parts, state, timing: dict,
-                                latency: LatencyModel | None, run_for_memory, steps_before) -> dict:
+    def _speculative_slot_stats(self, shape: DecodeRequestShape, statics, parts, state, host: "_Finished", auto,
+                                timing: dict, latency: LatencyModel | None, run_for_memory, steps_before) -> dict:
         """A speculative call's figures: acceptance, where the time went, and memory, by method kind."""
         batch = shape.batch
-        counts, histogram, drafted, steps, passes = to_host(
-            (state.num_generated, state.accepted_histogram, state.drafted, state.steps, state.refine_passes))
+        counts, histogram, drafted, steps, passes = (host.num_generated, host.accepted_histogram, host.drafted,
+                                                     host.steps, host.refine_passes)
         stats = _speculative_stats(shape.method, counts, histogram, timing["wall_s"], timing["compile_s"])
         stats.update({key: timing[key] for key in ("prefill_s", "decode_tokens_per_s")})
         stats["draft_tokens"] = int(drafted.sum())
@@ -481,7 +484,8 @@ class Engine:
             if shape.refine is not None:
                 stats["refine_s"] = int(passes[longest]) * phases["refine"]
         else:
-            stats.update(self._tree_stats(shape, statics, state, longest, loop_steps, latency, timing, steps_before))
+            stats.update(self._tree_stats(shape, statics, host, auto, longest, loop_steps, latency, timing,
+                                          steps_before))
         if shape.refine is not None:
             stats["refine_passes"] = int(passes[longest]) / loop_steps if loop_steps else 0.0
         stats["memory"] = decode_memory(self.decode_config(shape), self.drafter.config, batch, shape.cache_length,
@@ -490,10 +494,10 @@ class Engine:
             stats["memory"].update(drafter_state_breakdown(self.drafter.config, batch, shape.drafting_length))
         return stats
 
-    def _tree_stats(self, shape: DecodeRequestShape, statics, state, longest: int, loop_steps: int,
-                    latency: LatencyModel | None, timing: dict, steps_before) -> dict:
+    def _tree_stats(self, shape: DecodeRequestShape, statics, host: "_Finished", auto, longest: int,
+                    loop_steps: int, latency: LatencyModel | None, timing: dict, steps_before) -> dict:
         """Tree sizes chosen and verified, auto's choices, and the latency model's split and refit."""
-        sizes, chosen = to_host((state.tree_sizes, state.tree_chosen))
+        sizes, chosen = host.tree_sizes, host.tree_chosen
         counts_by_size = {size: int(c) for size, c in zip(statics.tree_buckets, sizes[longest])}
         stats = {
             "tree_nodes_chosen": int(chosen[longest]) / loop_steps if loop_steps else 0.0,
@@ -501,8 +505,8 @@ class Engine:
             "tree_nodes_verified": (sum(size * c for size, c in counts_by_size.items()) / loop_steps
                                     if loop_steps else 0.0),
         }
-        if state.auto is not None:
-            stats["auto"] = _auto_stats(to_host(state.auto), latency, self.drafter.config.block_size, steps_before)
+        if auto is not None:
+            stats["auto"] = _auto_stats(auto, latency, self.drafter.config.block_size, steps_before)
         elif latency is not None:
             # Split of wall time by the latency model, which each run refits (Bastion's rule).
             stats.update({
@@ -604,6 +608,19 @@ class Engine:
             self._save_latency(shape, latency)
         self.latency_models[key] = latency
         return latency
+
+class _Finished(NamedTuple):
+    """The slot state's counters a finished call's stats read, on the host."""
+
+    tokens: np.ndarray
+    num_generated: np.ndarray
+    accepted_histogram: np.ndarray
+    drafted: np.ndarray
+    steps: np.ndarray
+    refine_passes: np.ndarray
+    tree_sizes: np.ndarray
+    tree_chosen: np.ndarray
+
 
 def _auto_stats(auto, latency: LatencyModel, block: int, steps_before=0) -> dict:
     """What the auto method chose, and the estimates it chose by, as it ended the run."""
