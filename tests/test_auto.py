@@ -54,6 +54,28 @@ def test_auto_decodes_ar_where_verifying_is_dear_and_speculates_where_it_is_chea
         1.0 + 0.01 if case == "cheap_verify" else 1.0 + 10.0)
 
 
+def test_auto_runs_the_plain_ar_program_while_speculation_loses_and_no_probe_is_due(target, drafter, monkeypatch):
+    """Auto's own AR branch keeps the drafter's context current; a call in which the measurements keep
+    it on AR throughout runs the plain AR program instead, and its steps bring the next probe nearer."""
+    _forced(monkeypatch, [1.0, 6.0, 10.0, 20.0], fixed_s=1.0)
+    engine = Engine(target, drafter)
+    ar = engine.generate(PROMPTS, 40, ignore_eos=True)
+    config = AutoConfig(probe_every=100)
+    run = lambda: engine.generate(PROMPTS, 40, ignore_eos=True, method="auto", tree=TREE, auto=config)  # noqa: E731
+    first, second, third = run(), run(), run()
+    for call in (first, second, third):
+        assert call.tokens == ar.tokens
+    # The first explores chain and tree and settles on AR; 37 AR steps + 39 more stay under 100.
+    assert not first.stats["auto"]["plain_ar"] and first.stats["auto"]["policy_steps"]["chain"] >= 1
+    assert second.stats["auto"]["plain_ar"]
+    assert second.stats["auto"]["policy_steps"] == {"ar": 39, "chain": 0, "tree": 0}
+    assert second.stats["memory"] == ar.stats["memory"]  # the AR program's: no drafter state at all
+    assert second.stats["tau"] == 1.0
+    # The third call's steps would pass 100 since the last speculative step: it probes again.
+    assert not third.stats["auto"]["plain_ar"]
+    assert third.stats["auto"]["policy_steps"]["chain"] + third.stats["auto"]["policy_steps"]["tree"] >= 1
+
+
 def test_the_choice_rule_explores_holds_with_a_margin_and_probes():
     config = AutoConfig(margin=0.1, probe_every=4)
     seconds = jnp.asarray([1.0, 2.0, 2.5])

@@ -28,6 +28,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.errors import SpecjaxError, check_at_least
@@ -46,8 +47,10 @@ class AutoConfig:
     """A policy that speculates more than the current one must be predicted this much faster."""
     probe_every: int = 32
     """While AR runs, steps between two probes of the best speculative policy (0: never probe)."""
-    max_probe_factor: int = 16
-    """A probe that still loses to AR doubles the interval, up to this many times probe_every."""
+    max_probe_factor: int = 64
+    """A probe that still loses to AR doubles the interval, up to this many times probe_every. A
+    probe call costs about a third of a call more where speculation loses (`AutoMemory`), so the
+    cap keeps that under a few percent of the time; a winning probe resets the interval at once."""
 
     def __post_init__(self):
         if not 0.0 < self.ema <= 1.0:
@@ -129,3 +132,51 @@ def observe(auto: AutoState, policy, committed_per_row, tree_seconds, config: Au
     return AutoState(tokens_per_step=tokens, tree_seconds=tree, current=jnp.asarray(policy, jnp.int32),
                      idle=jnp.where(policy > 0, 0, auto.idle + 1), steps=auto.steps.at[policy].add(1),
                      probe_factor=factor.astype(jnp.int32))
+
+
+class AutoMemory:
+    """What auto measured when its last greedy call of each batch size ended, kept on the host by an
+    Engine, so that the next such call starts from it instead of exploring from scratch.
+
+    It also decides when a call need not run auto's step at all. Auto's AR branch is dearer than
+    plain AR: it keeps the drafter's context current at every step, so that a probe can draft from
+    a whole context, and it dispatches between three policies (together 1.3x a plain AR step on the
+    AVX2 host, BENCHMARKS.md). So while the measurements say no speculative policy pays and no probe
+    falls due within the call, the call runs the plain AR program, and its steps count towards the
+    next probe as auto's own AR steps would. A probe then runs in the first call it falls due in."""
+
+    def __init__(self):
+        self._states: dict[int, AutoState] = {}  # by batch size; host (numpy) arrays
+        self._seconds: dict[int, np.ndarray] = {}  # [P] what the state's last step chose by
+
+    def start(self, batch: int) -> AutoState | None:
+        """The state a call of `batch` rows starts from (None: fresh)."""
+        return self._states.get(batch)
+
+    def remember(self, batch: int, state: AutoState, seconds: np.ndarray) -> None:
+        self._states[batch], self._seconds[batch] = state, np.asarray(seconds, np.float64)
+
+    def seconds(self, batch: int) -> np.ndarray:
+        return self._seconds[batch]
+
+    def stays_on_ar(self, batch: int, steps: int, config: AutoConfig) -> bool:
+        """Whether a call of `batch` rows and at most `steps` decode steps would run AR throughout:
+        every speculative policy was measured, AR holds against the best of them (as
+        `choose_policy` holds it), and no probe falls due within the call."""
+        state = self._states.get(batch)
+        if state is None or (np.asarray(state.steps)[1:] == 0).any() or int(state.current) != 0:
+            return False
+        value = np.asarray(state.tokens_per_step, np.float64) / self._seconds[batch]  # [P] tokens per second
+        best = int(np.argmax(value))
+        if best > 0 and value[best] > value[0] * (1.0 + config.margin):
+            return False
+        return config.probe_every == 0 or int(state.idle) + steps < config.probe_every * int(state.probe_factor)
+
+    def ran_ar(self, batch: int, steps: int) -> AutoState:
+        """Count `steps` plain AR steps of a call that stayed on AR as auto's own; the state after."""
+        state = self._states[batch]
+        counted = np.array(state.steps)
+        counted[0] += steps
+        self._states[batch] = state.replace(idle=np.asarray(int(state.idle) + steps, np.int32),
+                                            steps=counted.astype(np.int32))
+        return self._states[batch]

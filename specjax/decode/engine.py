@@ -36,7 +36,7 @@ from specjax.models.transformer import head_matrix
 from specjax.decode.memory import decode_memory, drafter_state_breakdown, target_kv_bytes
 from specjax.data.retrieval import Redraft
 from specjax.decode.rapid import RapidConfig
-from specjax.decode.auto import AUTO_POLICIES, AutoConfig, policy_seconds
+from specjax.decode.auto import AUTO_POLICIES, AutoConfig, AutoMemory, policy_seconds
 from specjax.decode.ngram import NgramConfig
 
 # Every name and what each method needs come from the one registry of methods (decode/slots.py).
@@ -131,7 +131,7 @@ class Engine:
         self._slot_phase_costs: dict[DecodeRequestShape, dict[str, float]] = {}
         # What auto measured when its last greedy call of a batch size ended (decode/auto.py): the next
         # such call starts from it, instead of exploring and probing from scratch every call.
-        self._auto_memory: dict[int, Any] = {}
+        self._auto_memory = AutoMemory()
         if latency_cache is True:
             from specjax.io.registry import cache_dir
             latency_cache = cache_dir() / "latency"
@@ -200,12 +200,19 @@ class Engine:
         method, tree, rapid = self._fit_method(spec, method, tree, rapid, drafting_prompts, len(prompts), redraft)
         if spec.needs_retrieval:
             self.validate(drafting_prompts, max_new_tokens)
-        shape = self._request_shape(spec, method, prompts, max_new_tokens, sampling, ignore_eos,
-                                    on_tokens is not None, stream_every, refine, tree, drafting_prompts, rapid,
-                                    redraft, ngram, auto)
+        options = (prompts, max_new_tokens, sampling, ignore_eos, on_tokens is not None, stream_every, refine, tree,
+                   drafting_prompts, rapid, redraft, ngram, auto)
+        shape = self._request_shape(spec, method, *options)
+        stays_on_ar = self._auto_remembers(shape) and self._auto_memory.stays_on_ar(
+            shape.batch, max_new_tokens - 1, shape.auto)  # the prefill gives each row its first token
+        if stays_on_ar:
+            auto_shape, shape = shape, self._request_shape(slot_api.slot_method("ar"), "ar", *options)
         tokens = slot_api.token_rows(prompts, shape.prompt_bucket)
         lengths = np.array([len(p) for p in prompts], np.int32)
         args = (self.model.params, self._placed(tokens), self._placed(lengths), jax.random.key(seed))
+        if stays_on_ar:
+            return self._with_precision(self._auto_on_plain_ar(auto_shape, self._generate_slots(shape, args,
+                                                                                                on_tokens)))
         retrieval = None
         if spec.needs_retrieval:
             padded = slot_api.token_rows(drafting_prompts, shape.drafting_bucket)
@@ -303,6 +310,28 @@ class Engine:
         result.stats["precision"] = self.precision
         return result
 
+    def _auto_remembers(self, shape: DecodeRequestShape) -> bool:
+        """Whether an auto call starts from (and leaves) what the last one measured. Greedy only: the
+        policy sequence decides which keys a sampled row draws with, so a sampled call starts fresh
+        and a seed gives the same draw whatever ran before it."""
+        return shape.auto is not None and shape.sampling.greedy and self.mesh is None
+
+    def _auto_on_plain_ar(self, shape: DecodeRequestShape, result: GenerationResult) -> GenerationResult:
+        """An auto call that ran the plain AR program (AutoMemory.stays_on_ar), reported as auto: its
+        steps all AR, tau 1, and its steps counted towards auto's next probe."""
+        counts = np.array([len(row) for row in result.tokens])
+        histogram = np.zeros((shape.batch, self.drafter.config.block_size), np.int64)  # [B, block]
+        histogram[:, 0] = counts - 1  # every decode step committed one token, and drafted nothing
+        stats = _speculative_stats(shape.method, counts, histogram, result.stats["wall_s"], result.stats["compile_s"])
+        for key in ("prefill_s", "decode_tokens_per_s", "memory"):
+            stats[key] = result.stats[key]
+        stats.update(draft_tokens=0, streamed=shape.streaming)
+        steps = int(histogram[:, 0].max())
+        before = np.asarray(self._auto_memory.start(shape.batch).steps)
+        stats["auto"] = _auto_stats(self._auto_memory.ran_ar(shape.batch, steps),
+                                    self._auto_memory.seconds(shape.batch), before, plain_ar=True)
+        return GenerationResult(result.tokens, stats)
+
     def _generate_slots(self, shape: DecodeRequestShape, args, on_tokens, retrieval=None,
                         redraft: Redraft | None = None) -> GenerationResult:
         """Decoding on the serving step (decode/slots.py), every method: the prompts fill a slot
@@ -322,11 +351,11 @@ class Engine:
         prefill_s = time.perf_counter() - start
         # Greedy only: the policy sequence decides which keys a sampled row draws with, so a sampled
         # call starts fresh and a seed gives the same draw whatever ran before it.
-        remembers = shape.auto is not None and shape.sampling.greedy and self.mesh is None
+        remembers = self._auto_remembers(shape)
         steps_before = 0  # the policy steps a remembered state had already counted
-        if remembers and shape.batch in self._auto_memory:
-            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory[shape.batch]))
-            steps_before = np.asarray(self._auto_memory[shape.batch].steps)
+        if remembers and self._auto_memory.start(shape.batch) is not None:
+            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory.start(shape.batch)))
+            steps_before = np.asarray(self._auto_memory.start(shape.batch).steps)
         if shape.streaming:
             state, redrafted = self._stream_slots(shape, run, refresh, parts, state, on_tokens, retrieval, redraft)
         else:
@@ -336,7 +365,7 @@ class Engine:
         host = _Finished(*to_host(tuple(getattr(state, name) for name in _Finished._fields)))
         auto = None if state.auto is None else to_host(state.auto)
         if remembers:
-            self._auto_memory[shape.batch] = auto
+            self._auto_memory.remember(shape.batch, auto, _auto_seconds(auto, latency, self.drafter.config.block_size))
         counts = host.num_generated
         rows = [host.tokens[i, : counts[i]].tolist() for i in range(shape.batch)]
         # The prefill gives each row its first token; the decode loop the rest. At long context the
@@ -506,7 +535,8 @@ class Engine:
                                     if loop_steps else 0.0),
         }
         if auto is not None:
-            stats["auto"] = _auto_stats(auto, latency, self.drafter.config.block_size, steps_before)
+            stats["auto"] = _auto_stats(auto, _auto_seconds(auto, latency, self.drafter.config.block_size),
+                                        steps_before)
         elif latency is not None:
             # Split of wall time by the latency model, which each run refits (Bastion's rule).
             stats.update({
@@ -622,14 +652,21 @@ class _Finished(NamedTuple):
     tree_chosen: np.ndarray
 
 
-def _auto_stats(auto, latency: LatencyModel, block: int, steps_before=0) -> dict:
-    """What the auto method chose, and the estimates it chose by, as it ended the run."""
-    seconds = [float(x) for x in policy_seconds(auto, latency.costs(), block)]  # what the step chose by
+def _auto_seconds(auto, latency: LatencyModel, block: int) -> np.ndarray:
+    """[P] the predicted seconds per step of each policy that auto's last step chose by."""
+    return np.asarray(policy_seconds(auto, latency.costs(), block), np.float64)
+
+
+def _auto_stats(auto, seconds: np.ndarray, steps_before=0, plain_ar: bool = False) -> dict:
+    """What the auto method chose, and the estimates it chose by, as it ended the run. plain_ar: the
+    call ran the plain AR program throughout (AutoMemory.stays_on_ar)."""
+    seconds = [float(x) for x in seconds]
     return {
         "policy_steps": {name: int(n) for name, n in zip(AUTO_POLICIES, np.asarray(auto.steps) - steps_before)},
         "tokens_per_step": {name: float(t) for name, t in zip(AUTO_POLICIES, auto.tokens_per_step)},
         "seconds_per_step": dict(zip(AUTO_POLICIES, seconds)),
         "chain_step_over_decode_step": seconds[1] / seconds[0],
+        "plain_ar": plain_ar,
     }
 
 
