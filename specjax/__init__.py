@@ -10,8 +10,10 @@ The public API (each name is imported on first use, so `import specjax` stays ch
   `SamplingConfig`, `TreeConfig`, `RefineConfig`, `NgramConfig`, `AutoConfig`, and for requests
   about a long document (`generate(question, document=...)`) `RapidConfig` and `RetrievalConfig`;
 - serving without HTTP: `Scheduler`, `ServeConfig`, `ControllerConfig`, `Request`;
-- training: `train_drafter(model, out_dir, DistillRecipe(...))`, `train_refiner(model, drafter,
-  out_dir, RefinerRecipe(...))`, `train_compressor(model, drafter, out_dir, CompressorRecipe(...))`.
+- training: `train_lm(out_dir, LMRecipe(...))` (a small target from scratch), `train_drafter(model,
+  out_dir, DistillRecipe(...))`, `train_refiner(model, drafter, out_dir, RefinerRecipe(...))`,
+  `train_compressor(model, drafter, out_dir, CompressorRecipe(...))`, and `read_metrics(run_dir)` for
+  a run's learning curves.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ _EXPORTS = {
     "Scheduler": "specjax.serve.scheduler", "ServeConfig": "specjax.serve.config",
     "Request": "specjax.serve.requests", "ControllerConfig": "specjax.serve.controller",
     "DistillRecipe": "specjax.train.recipe", "RefinerRecipe": "specjax.train.refiner",
-    "CompressorRecipe": "specjax.train.compressor", "SpecjaxError": "specjax.errors",
+    "CompressorRecipe": "specjax.train.compressor", "LMRecipe": "specjax.train.lm",
+    "read_metrics": "specjax.train.loop", "SpecjaxError": "specjax.errors",
     "HELDOUT_CHAT_PROMPTS": "specjax.data.prompts",
 }
 # Public name -> (module, name there), for the recipes whose functions carry longer names.
 _RENAMED = {
+    "train_lm": ("specjax.train.lm", "train_lm_recipe"),
     "train_drafter": ("specjax.train.recipe", "train_drafter_recipe"),
     "train_refiner": ("specjax.train.refiner", "train_refiner_recipe"),
     "train_compressor": ("specjax.train.compressor", "train_compressor_recipe"),

@@ -712,25 +712,25 @@ def cmd_data(args) -> int:
     return 0
 
 
-def cmd_train_lm(args) -> int:
-    from specjax.data.corpora import check_corpus_names, load_split
+def _lm_recipe(args):
     from specjax.io.registry import compute_dtype
-    from specjax.train.lm import LMDataConfig, train_language_model
-    from specjax.train.loop import LoopConfig, OptimizerConfig
+    from specjax.train.lm import LMRecipe
 
-    check_corpus_names(args.corpus)
-    data = LMDataConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size)
-    optimizer = OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(100, args.steps // 10),
-                                total_steps=args.steps)
-    loop = LoopConfig(steps=args.steps, seed=args.seed, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, mesh=_mesh_config(args))
+    return LMRecipe(corpora=tuple(args.corpus or LMRecipe.corpora), vocab_size=args.vocab_size, seq_len=args.seq_len,
+                    batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate,
+                    eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                    dtype=compute_dtype(args.dtype), mesh=_mesh_config(args))
+
+
+def cmd_train_lm(args) -> int:
+    from specjax.train.lm import train_lm_recipe
+
+    recipe = _lm_recipe(args)
     make_dir(args.out, "--out")
     _say_how_to_resume()
-    train_docs, heldout_docs = load_split(tuple(args.corpus))
-    summary = train_language_model([d.text for d in train_docs], [d.text for d in heldout_docs], args.out, data,
-                                   optimizer, loop, dtype=compute_dtype(args.dtype))
+    summary = train_lm_recipe(args.out, recipe)
     print(json.dumps(summary) if args.json else
-          f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {Path(args.out) / 'model'}")
+          f"held-out perplexity {summary['heldout_perplexity']:.2f}; model in {summary['model']}")
     return 0
 
 
@@ -755,16 +755,17 @@ def _say_how_to_resume() -> None:
           file=sys.stderr, flush=True)
 
 
-def cmd_train_drafter(args) -> int:
+def _distill_recipe(args):
     from specjax.io.registry import compute_dtype
-    from specjax.train.recipe import DistillRecipe, train_drafter_recipe
+    from specjax.train.recipe import DistillRecipe
 
-    recipe = DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
+    return DistillRecipe(chat_prompts=args.chat_prompts, corpus_sequences=args.corpus_sequences,
                            everyday_prompts=args.everyday_prompts, math_prompts=args.math_prompts,
                            code_prompts=args.code_prompts, self_instruct_prompts=args.self_instruct_prompts,
                            sharegpt_prompts=args.sharegpt_prompts, sharegpt_replies=args.sharegpt_replies,
                            sharegpt_turns=args.sharegpt_turns, heldout_sharegpt=args.heldout_sharegpt,
-                           sequences_per_batch=args.sequences_per_batch, features=args.features,
+                           text_prompts=args.text_prompts, text_prompt_tokens=args.text_prompt_tokens,
+                           heldout_text_prompts=args.heldout_text_prompts, sequences_per_batch=args.sequences_per_batch, features=args.features,
                            anchors_per_sequence=args.anchors_per_sequence,
                            generate_batch=args.generate_batch, seq_len=args.seq_len, num_layers=args.layers,
                            block_size=args.block_size, target_topk=args.target_topk, topk_weight=args.topk_weight,
@@ -772,6 +773,12 @@ def cmd_train_drafter(args) -> int:
                            init_from_target=not args.random_init, anchor_path=not args.no_anchor_path,
                            init_drafter=args.init_drafter, seed=args.seed, dtype=compute_dtype(args.dtype),
                            avoid_prompts_from=tuple(args.avoid_prompts_from or ()), mesh=_mesh_config(args))
+
+
+def cmd_train_drafter(args) -> int:
+    from specjax.train.recipe import train_drafter_recipe
+
+    recipe = _distill_recipe(args)
     make_dir(args.out, "--out")
     _say_how_to_resume()
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
@@ -1255,6 +1262,13 @@ def _add_train_drafter_command(sub) -> None:
                     help="ShareGPT's opening requests only, or later turns too (after the conversation so far)")
     td.add_argument("--heldout-sharegpt", type=int, default=0,
                     help="held-out ShareGPT requests for the in-training tau estimate (0: the built-in chat ones)")
+    td.add_argument("--text-prompts", type=int, default=0,
+                    help="self-distillation prompts that are plain text windows of the corpora (for a base model "
+                         "without a chat template)")
+    td.add_argument("--text-prompt-tokens", type=int, default=32, help="tokens per text prompt")
+    td.add_argument("--heldout-text-prompts", type=int, default=0,
+                    help="held-out text windows for the in-training tau estimate (a target without a chat "
+                         "template needs them)")
     td.add_argument("--generate-batch", type=int, default=32,
                     help="rows decoded together while the target answers prompts (finished rows are refilled)")
     td.add_argument("--features", choices=("stored", "online"), default="stored",
@@ -1337,8 +1351,6 @@ def _add_train_compressor_command(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) == "train-lm" and not args.corpus:
-        args.corpus = ["shakespeare"]
     try:
         from specjax.compile_cache import enable_compile_cache
 

@@ -263,6 +263,21 @@ def test_every_cli_default_is_its_configs_default():
         assert RapidConfig(args.rapid_drafts, args.rapid_eta) == RapidConfig(), command
 
 
+def test_the_training_commands_build_their_recipes_defaults():
+    import dataclasses
+
+    from specjax.cli import _distill_recipe, _lm_recipe
+    from specjax.io.registry import auto_compute_dtype
+    from specjax.train.lm import LMRecipe
+    from specjax.train.recipe import DistillRecipe
+
+    parser = cli.build_parser()
+    dtype = auto_compute_dtype()  # --dtype auto: this machine's choice, where the recipes default to float32
+    assert _lm_recipe(parser.parse_args(["train-lm", "--out", "x"])) == LMRecipe(dtype=dtype)
+    assert _distill_recipe(parser.parse_args(["train-drafter", "--out", "x"])) == dataclasses.replace(
+        DistillRecipe(), dtype=dtype)
+
+
 def test_every_per_method_setting_in_the_registry_is_an_option():
     """The registry's METHOD_PARTS name the options each part reads; a name with no flag behind
     it (a renamed option) would leave that option unchecked, silently ignored again."""

@@ -37,11 +37,12 @@ def test_resumed_run_replays_the_same_losses(tmp_path):
     straight = [m for m in read_metrics(tmp_path / "straight") if "loss" in m]
     resumed = [m for m in read_metrics(tmp_path / "resumed") if "loss" in m]
     assert [m["step"] for m in resumed] == list(range(1, 11))  # each step logged once
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed") if "eval/heldout_loss" in m] == [0, 5, 10]
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]  # bit-identical
     losses = [m["loss"] for m in straight]
     assert losses[-1] < losses[0] - 0.5
     evals = [m for m in read_metrics(tmp_path / "straight") if "eval/heldout_loss" in m]
-    assert [m["step"] for m in evals] == [5, 10]
+    assert [m["step"] for m in evals] == [0, 5, 10]  # from the untrained start on
     assert summary["heldout_perplexity"] < 300  # better than uniform over the vocabulary
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype
+from specjax.errors import SpecjaxError, check_at_least, check_compute_dtype, check_positive_finite
 from specjax.io.hf import save_hf_model
 from specjax.io.tokenizer import TextTokenizer
 from specjax.models.cache import KVCache
 from specjax.models.config import TransformerConfig
 from specjax.models.transformer import forward, init_params
 from specjax.train.loop import LoopConfig, OptimizerConfig, train
-from specjax.sharding import built_once, is_writer
+from specjax.sharding import MeshConfig, built_once, is_writer
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -157,3 +157,81 @@ def train_language_model(
         save_hf_model(tokenizer_dir, config, params)
     summary = {"train_tokens": int(len(train_stream)), "heldout_tokens": int(len(heldout_stream)), **evaluate(params)}
     return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class LMRecipe:
+    """A small target LM trained from scratch on the project's corpora (`specjax train-lm`)."""
+
+    corpora: tuple[str, ...] = ("shakespeare",)
+    """Corpora (specjax.data.corpora) whose training split the model reads; their held-out split scores it."""
+    corpus_chars: int = 0
+    """Characters of training text, whole documents in order and the last one cut (0: all of it); the
+    held-out text is a tenth as much."""
+    vocab_size: int = 1024
+    """Size of the byte-level BPE vocabulary trained on the training text."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 16
+    """Sequences per step."""
+    steps: int = 2000
+    """Optimizer steps."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate (warmup over a tenth of the run, at most 100 steps, then cosine decay)."""
+    eval_every: int = 200
+    """Steps between held-out evaluations (and one before the first step)."""
+    eval_batches: int = 8
+    """Held-out batches averaged for each evaluation."""
+    checkpoint_every: int = 200
+    """Steps between orbax checkpoints; a rerun resumes from the latest."""
+    seed: int = 0
+    """Seeds the initial weights and the order of the training windows."""
+    dtype: str | None = None
+    """Compute precision of the forward and backward passes (None: the model's float32)."""
+    mesh: MeshConfig = MeshConfig()
+    """Devices to train over; one by default."""
+    progress: bool = True
+    """Draw a progress bar."""
+
+    def __post_init__(self):
+        from specjax.data.corpora import check_corpus_names
+
+        check_corpus_names(list(self.corpora))
+        check_at_least(0, corpus_chars=self.corpus_chars)
+        check_at_least(1, steps=self.steps)
+        check_positive_finite(learning_rate=self.learning_rate)
+        if self.dtype is not None:
+            check_compute_dtype(self.dtype)
+        LMDataConfig(self.vocab_size, self.seq_len, self.batch_size, self.eval_batches)  # checks those
+
+
+def text_slice(docs, chars: int) -> list[str]:
+    """Whole documents' texts in order, the last one cut, up to `chars` characters (0: all)."""
+    if not chars:
+        return [doc.text for doc in docs]
+    texts, left = [], chars
+    for doc in docs:
+        if left <= 0:
+            break
+        texts.append(doc.text[:left])
+        left -= len(texts[-1])
+    return texts
+
+
+def train_lm_recipe(out_dir: str | Path, recipe: LMRecipe = LMRecipe()) -> dict:
+    """Train a tokenizer and a small LM on the recipe's corpora; the model is written to
+    out_dir/model as an HF folder that `specjax.LLM(path)` and `--model PATH` read. Rerunning with
+    the same out_dir resumes. Returns the held-out loss and perplexity, the tokens read, and the
+    model's folder."""
+    from specjax.data.corpora import load_split
+
+    train_docs, heldout_docs = load_split(tuple(recipe.corpora))
+    summary = train_language_model(
+        text_slice(train_docs, recipe.corpus_chars), text_slice(heldout_docs, recipe.corpus_chars // 10), out_dir,
+        LMDataConfig(recipe.vocab_size, recipe.seq_len, recipe.batch_size, recipe.eval_batches),
+        OptimizerConfig(learning_rate=recipe.learning_rate, warmup_steps=min(100, recipe.steps // 10),
+                        total_steps=recipe.steps),
+        LoopConfig(steps=recipe.steps, seed=recipe.seed, eval_every=recipe.eval_every,
+                   checkpoint_every=recipe.checkpoint_every, mesh=recipe.mesh, progress=recipe.progress),
+        dtype=recipe.dtype)
+    return {**summary, "model": str(Path(out_dir) / "model")}

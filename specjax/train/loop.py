@@ -91,7 +91,7 @@ class LoopConfig:
     log_every: int = 10
     """Write train metrics every this many steps."""
     eval_every: int = 200
-    """Run the evaluation function every this many steps (0: never)."""
+    """Run the evaluation function every this many steps, and once before the first (0: never)."""
     checkpoint_every: int = 200
     """Save an orbax checkpoint every this many steps (and always at the end)."""
     checkpoint_seconds: float = 600.0
@@ -129,8 +129,9 @@ class MetricsWriter:
         self.path = out_dir / "metrics.jsonl"
         if self.path.exists():
             # A resumed run replays the steps after its checkpoint; drop their old lines so each step
-            # appears once.
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            # appears once (a run with no checkpoint yet starts over, its step-0 evaluation too).
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line and resume_step and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
@@ -202,6 +203,10 @@ def train(
     started = last_save = time.perf_counter()
     by_clock = jax.process_count() == 1
     try:
+        if eval_fn is not None and loop.eval_every and start == 0:  # a learning curve starts where training does
+            evaluated = eval_fn(state.params)
+            if writer is not None:
+                writer.write(0, {f"eval/{k}": v for k, v in evaluated.items()})
         for step in range(start, loop.steps):
             batch = batch_fn(step)
             state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))

@@ -41,6 +41,15 @@ class DistillRecipe:
     sharegpt_turns: str = "all"
     """Which human turns ShareGPT requests come from: "first" (each conversation's opening request) or
     "all" (later turns too, after the conversation so far)."""
+    text_prompts: int = 0
+    """Self-distillation prompts that are plain text: windows of text_prompt_tokens tokens from the
+    training corpora, which the target continues greedily. The data for a base model without a chat
+    template, such as one trained by `specjax.train_lm`."""
+    text_prompt_tokens: int = 32
+    """Tokens per text prompt (text_prompts, heldout_text_prompts); the target continues each to seq_len."""
+    heldout_text_prompts: int = 0
+    """Windows of the corpora's held-out split that the target continues, for the in-training
+    acceptance estimate instead of the held-out chat prompts. A target without a chat template needs it."""
     heldout_sharegpt: int = 0
     """Requests from ShareGPT's held-out split that the target answers for the in-training acceptance
     estimate; 0 estimates on the built-in held-out chat prompts instead."""
@@ -103,7 +112,8 @@ class DistillRecipe:
         check_compute_dtype(self.dtype)
         check_at_least(0, chat_prompts=self.chat_prompts, corpus_sequences=self.corpus_sequences,
                        sharegpt_prompts=self.sharegpt_prompts, sharegpt_replies=self.sharegpt_replies,
-                       heldout_sharegpt=self.heldout_sharegpt,
+                       heldout_sharegpt=self.heldout_sharegpt, text_prompts=self.text_prompts,
+                       heldout_text_prompts=self.heldout_text_prompts,
                        everyday_prompts=self.everyday_prompts, math_prompts=self.math_prompts,
                        code_prompts=self.code_prompts, self_instruct_prompts=self.self_instruct_prompts,
                        draft_vocab_size=self.draft_vocab_size)
@@ -111,6 +121,11 @@ class DistillRecipe:
                        taps=self.num_taps, steps=self.steps, sequences_per_batch=self.sequences_per_batch,
                        anchors_per_sequence=self.anchors_per_sequence)
         check_at_least(2, block_size=self.block_size)
+        if not 1 <= self.text_prompt_tokens < self.seq_len:
+            raise SpecjaxError(f"text_prompt_tokens must be in [1, seq_len {self.seq_len}), got {self.text_prompt_tokens}")
+        if self.heldout_text_prompts and self.heldout_sharegpt:
+            raise SpecjaxError("the acceptance estimate replays one held-out set: give heldout_text_prompts or "
+                               "heldout_sharegpt, not both")
         check_positive_finite(learning_rate=self.learning_rate)
         check_at_least(0, target_topk=self.target_topk)
         if not 0.0 <= self.topk_weight <= 1.0:
@@ -131,11 +146,17 @@ class DistillRecipe:
             raise SpecjaxError("topk_weight needs the target's top-k stored, which online features do not keep")
         if self.sharegpt_turns not in ("first", "all"):
             raise SpecjaxError(f"sharegpt_turns must be 'first' or 'all', got {self.sharegpt_turns!r}")
-        if (self.chat_prompts + self.corpus_sequences + self.everyday_prompts + self.math_prompts + self.code_prompts
-                + self.self_instruct_prompts + self.sharegpt_prompts + self.sharegpt_replies == 0):
-            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, everyday_prompts, "
-                               "math_prompts, code_prompts, self_instruct_prompts, sharegpt_prompts and "
-                               "sharegpt_replies are all 0")
+        if self.corpus_sequences + self.text_prompts + sum(self.chat_data().values()) == 0:
+            raise SpecjaxError("the recipe has no training data: chat_prompts, corpus_sequences, text_prompts, "
+                               "everyday_prompts, math_prompts, code_prompts, self_instruct_prompts, "
+                               "sharegpt_prompts and sharegpt_replies are all 0")
+
+    def chat_data(self) -> dict[str, int]:
+        """The recipe's data that goes through the target's chat template, by field."""
+        return {name: getattr(self, name) for name in ("chat_prompts", "everyday_prompts", "math_prompts",
+                                                       "code_prompts", "self_instruct_prompts", "sharegpt_prompts",
+                                                       "sharegpt_replies")}
+
 
 def _log(message: str) -> None:
     print(f"[specjax] {message}", file=sys.stderr, flush=True)
@@ -178,6 +199,24 @@ def fit_chat_prompt(tok, messages, limit: int) -> list[int] | None:
     return None
 
 
+def text_windows(tok, docs: list, count: int, tokens: int, rng: np.random.Generator) -> list[list[int]]:
+    """`count` windows of `tokens` token ids, each from a random place in a random document (by
+    characters, long documents weighted by length), starting at a whole token."""
+    chars = 8 * tokens + 64  # comfortably more text than `tokens` tokens
+    docs = [d for d in docs if len(d.text) > chars]
+    if not docs:
+        raise SpecjaxError(f"no document is longer than {chars} characters: too little text for "
+                           f"{tokens}-token windows")
+    weights = np.asarray([len(d.text) for d in docs], np.float64)
+    windows = []
+    for _ in range(count):
+        doc = docs[rng.choice(len(docs), p=weights / weights.sum())]
+        start = int(rng.integers(0, len(doc.text) - chars))
+        ids = tok.encode(doc.text[start : start + chars], add_special_tokens=False)
+        windows.append(ids[1 : 1 + tokens])  # the first may be cut mid-word
+    return windows
+
+
 def sharegpt_training_requests(recipe: DistillRecipe) -> tuple[list, list]:
     """(requests the target answers, requests whose recorded replies are teacher-forced): disjoint
     draws from ShareGPT's training split, in an order fixed by the recipe's seed."""
@@ -201,8 +240,14 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 
     if model.tokenizer is None:
         raise SpecjaxError("the target has no tokenizer; distillation needs text prompts")
+    if not model.tokenizer.chat_template:
+        chat = [name for name, count in recipe.chat_data().items() if count]
+        if chat or not recipe.heldout_text_prompts:
+            raise SpecjaxError(f"{model.name} has no chat template: train it on text_prompts or corpus_sequences, "
+                               f"with heldout_text_prompts for the acceptance estimate"
+                               + (f" (the recipe asks for {', '.join(chat)})" if chat else ""))
     data = _DataBuilder(model, recipe, out_dir, taps)
-    train_docs, _ = load_split(recipe.corpora)
+    train_docs, heldout_docs = load_split(recipe.corpora)
     sets = []
     if recipe.chat_prompts:
         sets.append(data.continuations(training_chat_prompts(train_docs, recipe.chat_prompts, recipe.seed),
@@ -223,9 +268,14 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
                                            "ShareGPT requests"))
         if replied:
             sets.append(data.sharegpt_replies(replied))
-    heldout, looping = without_looping(data.heldout())
+    if recipe.text_prompts:
+        sets.append(data.text_continuations(train_docs, recipe.text_prompts, "text", seed=recipe.seed))
+    heldout, looping = without_looping(data.text_continuations(heldout_docs, recipe.heldout_text_prompts,
+                                                               "heldout_text", seed=-1)
+                                       if recipe.heldout_text_prompts else data.heldout())
     if looping:
-        _log(f"held-out {'ShareGPT' if recipe.heldout_sharegpt else 'chat'}: {looping} of "
+        held = "ShareGPT" if recipe.heldout_sharegpt else "text" if recipe.heldout_text_prompts else "chat"
+        _log(f"held-out {held}: {looping} of "
              f"{heldout.num_sequences + looping} answers are stuck in a loop "
              "(distinct-3 under 0.5) and are left out of the acceptance estimate")
     if recipe.corpus_sequences:
@@ -270,17 +320,31 @@ class _DataBuilder:
         built_once(lambda: self._done(folder), build, f"{what} in {folder}")
         return DistillationSet.open(folder)
 
-    def continuations(self, prompts: list, folder: Path, what: str):
-        """The set of the target's greedy answers to `prompts` (text or chat messages)."""
-        return self._open(folder, lambda: self._build_continuations(prompts, folder, what), f"{what} data")
+    def continuations(self, prompts: list, folder: Path, what: str, generator=None):
+        """The set of the target's greedy answers to `prompts`: chat requests (text or messages), or
+        token ids continued as they are (generator: the GeneratorConfig, if not the recipe's own)."""
+        return self._open(folder, lambda: self._build_continuations(prompts, folder, what, generator or self.generator),
+                          f"{what} data")
 
-    def _build_continuations(self, prompts: list, folder: Path, what: str) -> None:
+    def text_continuations(self, docs: list, count: int, name: str, seed: int):
+        """The target's greedy continuations of `count` windows of the documents' text (seed -1: a
+        draw that no recipe seed changes, for a held-out set)."""
+        recipe = self.recipe
+        rng = np.random.default_rng([45] if seed < 0 else [seed, 45])
+        windows = text_windows(self.tok, docs, count, recipe.text_prompt_tokens, rng)
+        generator = dataclasses.replace(self.generator, max_prompt_tokens=recipe.text_prompt_tokens,
+                                        max_new_tokens=recipe.seq_len - recipe.text_prompt_tokens)
+        return self.continuations(windows, self.out_dir / name, f"{name.replace('_', ' ')} windows", generator)
+
+    def _build_continuations(self, prompts: list, folder: Path, what: str, generator) -> None:
         from specjax.train.selfdistill import generate_continuations, read_continuations
 
-        generator, tok = self.generator, self.tok
-        # A prompt is text or chat messages; a conversation that does not fit loses its earliest turns
-        # (a text prompt that does not fit is skipped by the generator, which counts it).
-        ids = [tok.encode_chat(p) if isinstance(p, str) else fit_chat_prompt(tok, p, generator.max_prompt_tokens)
+        tok = self.tok
+        # A prompt is a chat request (text or messages) or token ids; a conversation that does not fit
+        # loses its earliest turns (a text prompt that does not fit is skipped by the generator, which
+        # counts it).
+        ids = [tok.encode_chat(p) if isinstance(p, str) else
+               p if all(isinstance(t, int) for t in p) else fit_chat_prompt(tok, p, generator.max_prompt_tokens)
                for p in prompts]
         ids = [i for i in ids if i is not None]
         if self.answered_before and not folder.name.startswith("heldout"):
@@ -420,5 +484,7 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     if is_writer():
         save_drafter(out_dir / "drafter", config, params, model.config, dtype="bfloat16", draft_vocab=draft_vocab)
     evals = [m for m in read_metrics(out_dir / "run") if "eval/tau_estimate" in m]
-    return {"drafter": str(out_dir / "drafter"), "tau_estimate": evals[-1]["eval/tau_estimate"] if evals else None,
-            "train_tokens": sum(s.num_tokens for s in sets)}
+    return {"drafter": str(out_dir / "drafter"), "run": str(out_dir / "run"),
+            "tau_estimate": evals[-1]["eval/tau_estimate"] if evals else None,
+            "train_tokens": sum(s.num_tokens for s in sets), "train_sequences": sum(s.num_sequences for s in sets),
+            "heldout_tokens": heldout.num_tokens}
