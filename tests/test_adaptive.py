@@ -652,6 +652,14 @@ def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measu
     other_block = Controller(("ar", "chain"), 16)
     assert not other_block.load_priors(poor.priors())  # another block's acceptance is ignored, and says so
     assert (other_block.acceptance == 0.5).all()
+    # A run that measures less than the last (one policy's start-up, no acceptance) passes the rest on.
+    earlier = _controller()
+    earlier.startup_s = {("ar", 1): 0.2, ("chain", 1): 0.4}
+    partial = _controller()
+    assert partial.load_priors(earlier.priors() | {"acceptance": poor.priors()["acceptance"]})
+    partial.startup_s = {("chain", 1): 0.5}
+    assert partial.priors()["startup_s"] == [["ar", 1, 0.2], ["chain", 1, 0.5]]
+    assert partial.priors()["acceptance"] == poor.priors()["acceptance"]
     path = tmp_path / "priors.json"
     poor.save_priors_file(path)
     assert later.load_priors_file(path) and not other_block.load_priors_file(path)

@@ -275,6 +275,8 @@ class Controller:
         # c_j, j = 1..block-1: conditional acceptance at draft position j (prior 0.5: no opinion).
         self.acceptance = np.full(max(block - 1, 0), 0.5)
         self.acceptance_seen = np.zeros(max(block - 1, 0), bool)
+        self.loaded_acceptance: list[float | None] = [None] * max(block - 1, 0)
+        """Each position's acceptance as the loaded priors had it (None: no prior)."""
         self.observed_tau: dict[str, float] = {}
         self.steps_per_call = steps_per_call
         self.startup_s: dict[tuple[str, int], float] = {}
@@ -399,11 +401,14 @@ class Controller:
 
     def priors(self) -> dict:
         """What this run measured of acceptance and of each policy's start-up cost, for the next
-        start on this machine and model."""
-        return {"block": self.block,
-                "acceptance": [float(c) if seen else None for c, seen in zip(self.acceptance, self.acceptance_seen)],
-                "observed_tau": dict(self.observed_tau),
-                "startup_s": [[policy, rows, seconds] for (policy, rows), seconds in sorted(self.startup_s.items())]}
+        start on this machine and model. What it did not measure itself (a position no step
+        reached, a policy it never compiled, as under `--compile-rest while-idle`) it passes on
+        from the priors it loaded, so one short run does not erase what the runs before it learnt."""
+        acceptance = [float(c) if seen else loaded
+                      for c, seen, loaded in zip(self.acceptance, self.acceptance_seen, self.loaded_acceptance)]
+        startup = {**self.cached_startup_s, **self.startup_s}
+        return {"block": self.block, "acceptance": acceptance, "observed_tau": dict(self.observed_tau),
+                "startup_s": [[policy, rows, seconds] for (policy, rows), seconds in sorted(startup.items())]}
 
     def load_priors(self, priors: dict) -> bool:
         """Start from an earlier run's acceptance in place of the 0.5 no-opinion prior. They stay
@@ -413,7 +418,7 @@ class Controller:
             return False
         for j, value in enumerate(priors.get("acceptance", [])[: len(self.acceptance)]):
             if value is not None:
-                self.acceptance[j] = value
+                self.acceptance[j] = self.loaded_acceptance[j] = value
         self.observed_tau.update({p: t for p, t in priors.get("observed_tau", {}).items() if p in self.policies})
         self.cached_startup_s = {(policy, int(rows)): float(seconds) for policy, rows, seconds in
                                  priors.get("startup_s", []) if policy in self.policies}
