@@ -7,8 +7,10 @@
 # second, default 1); REQUESTS (default 24); MAX_TOKENS (default 64).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-runs/serve-ab}
+out=$(realpath -m "${1:-runs/serve-ab}")
 mkdir -p "$out"
+after=${AFTER:-$PWD}
+cd /tmp  # not a source tree: PYTHONPATH alone picks the specjax that runs
 port=18437
 ready() {  # a newer server answers /ready once compiled; an older one listens only then (/health, no /ready)
   curl -sf localhost:$port/ready > /dev/null && return 0
@@ -16,13 +18,13 @@ ready() {  # a newer server answers /ready once compiled; an older one listens o
 }
 for round in 1 2; do
   for tree in before main; do
-    root=${BEFORE:-/tmp/before}; [ $tree = main ] && root=${AFTER:-$PWD}
+    root=${BEFORE:-/tmp/before}; [ $tree = main ] && root=$after
     PYTHONPATH=$root python -c "import specjax, sys; print('serving from', specjax.__file__, file=sys.stderr)"
     PYTHONPATH=$root python -m specjax.cli serve --port $port ${SERVE_ARGS:---method chain --slots 8} \
       > "$out/serve-$tree-$round.log" 2>&1 &
     pid=$!
     until ready; do kill -0 $pid || { echo "the $tree server exited; see $out/serve-$tree-$round.log"; exit 1; }; sleep 1; done
-    python -m specjax.cli bench-serve --url http://127.0.0.1:$port --request-rate ${RATE:-1} \
+    PYTHONPATH=$after python -m specjax.cli bench-serve --url http://127.0.0.1:$port --request-rate ${RATE:-1} \
       --num-requests ${REQUESTS:-24} --max-tokens ${MAX_TOKENS:-64} --json 2>/dev/null | tail -1 > "$out/$tree-$round.json"
     kill -TERM $pid; wait $pid || true
   done

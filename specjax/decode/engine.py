@@ -349,8 +349,6 @@ class Engine:
         start = time.perf_counter()
         state = jax.block_until_ready(insert(parts, state, request))
         prefill_s = time.perf_counter() - start
-        # Greedy only: the policy sequence decides which keys a sampled row draws with, so a sampled
-        # call starts fresh and a seed gives the same draw whatever ran before it.
         remembers = self._auto_remembers(shape)
         steps_before = 0  # the policy steps a remembered state had already counted
         if remembers and self._auto_memory.start(shape.batch) is not None:
