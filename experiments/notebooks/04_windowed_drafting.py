@@ -101,9 +101,7 @@ print("peaks:", report["peak_source"])
 # the timing, and compares the chain's output with AR's.
 
 # %%
-from specjax.data.corpora import load_corpus
-
-book = next(d for d in load_corpus("austen") if d.title == "Persuasion").text
+book = next(d for d in specjax.load_corpus("austen") if d.title == "Persuasion").text
 start = book.index("\n\n", len(book) // 3) + 2  # a paragraph a third of the way in
 passage = model.tokenizer.encode(book[start:], add_special_tokens=False)[:PROMPT_TOKENS]
 print(f"prompt: {len(passage)} tokens of Persuasion, from {model.tokenizer.decode(passage[:16])!r} ...")

@@ -67,9 +67,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import specjax
-from specjax.monitor.report import read_run_log, request_latencies, summarize
 from specjax.notebook import summary
-from specjax.serve.top import parse_metrics, summarize as top_view
 
 llm = specjax.LLM("smollm2", dtype=ENV.dtype, refiner=None)
 texts = [specjax.HELDOUT_CHAT_PROMPTS[i % len(specjax.HELDOUT_CHAT_PROMPTS)] for i in range(REQUESTS)]
@@ -118,7 +116,7 @@ try:
     results = [h.result(timeout=1200) for h in handles]
     burst_s = time.time() - burst_at
     # What `specjax top` shows from /metrics, read from the same registry (counters since start-up).
-    top = top_view(parse_metrics(scheduler.metrics.prometheus_text()), None)
+    top = scheduler.live_view()
 finally:
     scheduler.shutdown(timeout=60)  # drains (cancels what is left after 60 s), stops its thread, closes the run log
 left = [t.name for t in threading.enumerate() if t.name.startswith("specjax")]
@@ -139,10 +137,10 @@ print(f"as `specjax top` shows it: policy {top['policy']}, switches {top['switch
 # exactly one token per step.
 
 # %%
-snapshots, records = read_run_log(run_log)
+snapshots, records = specjax.read_run_log(run_log)
 snapshots = [s for s in snapshots if s["time"] >= burst_at]
 records = [r for r in records if r["time"] >= burst_at and r.get("e2e_s") is not None]
-lat = request_latencies(records)
+lat = specjax.request_latencies(records)
 snap_end = np.array([s["time"] - burst_at for s in snapshots])
 snap_start = np.maximum(snap_end - np.array([s["interval_s"] for s in snapshots]), 0.0)
 calls = [(t - burst_at, d) for t, d in scheduler.decisions if t >= burst_at]
@@ -225,7 +223,7 @@ policy_calls = {p: ran.count(p) for p in order}
 changes = [(call_start[i], ran[i - 1], ran[i], calls[i][1].reason) for i in range(1, len(ran)) if ran[i] != ran[i - 1]]
 print(f"{len(calls)} device calls: {policy_calls}; decisions by reason: {reasons}")
 print("policy changes: " + (", ".join(f"{a} -> {b} ({why}) at {t:.1f} s" for t, a, b, why in changes) or "none"))
-run = summarize(snapshots, records)
+run = specjax.summarize_run(snapshots, records)
 print(f"tau {run['tau']:.2f}, TTFT p50 {1e3 * run['ttft_p50_s']:.0f} ms, TPOT p50 {1e3 * run['tpot_p50_s']:.0f} ms, "
       f"peak KV {run['kv_bytes_max'] / 2**20:.2f} MiB, {run['output_tokens_per_s']:.1f} output tokens/s")
 

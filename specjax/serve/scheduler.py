@@ -260,6 +260,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.table.live)
 
+    def live_view(self) -> dict:
+        """What `specjax top` shows, read from this server's own metrics registry: the policy, tau,
+        acceptance, throughput and latency percentiles, counted since start-up."""
+        from specjax.serve.top import parse_metrics, summarize
+
+        return summarize(parse_metrics(self.metrics.prometheus_text()), None)
+
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; with drain, finish those in flight (and queued) first, else cancel them."""
         with self.table.lock:
