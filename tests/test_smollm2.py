@@ -34,7 +34,11 @@ def hf_smollm2():
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         partial = converted.with_name(converted.name + ".partial")
-        model.save_pretrained(partial)
+        # save_pretrained refuses a model read from GGUF; its float32 weights are plain tensors.
+        from safetensors.torch import save_model
+
+        model.config.save_pretrained(partial)
+        save_model(model, str(partial / "model.safetensors"))
         tok.save_pretrained(partial)
         partial.replace(converted)  # whole or absent, should a run stop half-way
     tok = AutoTokenizer.from_pretrained(converted)
