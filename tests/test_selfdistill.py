@@ -166,7 +166,7 @@ def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_
     monkeypatch.setattr(specjax.train.drafter.DistillationSet, "open", staticmethod(lambda folder: folder))
     monkeypatch.setattr(specjax.train.drafter, "without_looping", lambda s: (s, 0))
     monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
-    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text])
+    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text], chat_template="{{ messages }}")
     model = types.SimpleNamespace(tokenizer=tokenizer, params=None, config=None, eos_token_ids=())
 
     def everyday(run: str) -> set[tuple[int, ...]]:
@@ -182,6 +182,13 @@ def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_
     assert 0 < len(fresh) < 600  # the seeds' draws overlap, so some prompts were left out
     heldout = [answered[str(tmp_path / run / "heldout_chat.continuations.jsonl")] for run in ("first", "second")]
     assert heldout[0] == heldout[1] and len(heldout[0]) >= 42
+    # A base model (no chat template) is refused chat data, and a held-out set of chat answers.
+    base = types.SimpleNamespace(**{**vars(model), "name": "base-lm",
+                                    "tokenizer": types.SimpleNamespace(**{**vars(tokenizer), "chat_template": None})})
+    with pytest.raises(SpecjaxError, match="no chat template.*everyday_prompts"):
+        build_data(base, first, tmp_path / "base", taps=(1,))
+    with pytest.raises(SpecjaxError, match="heldout_text_prompts"):
+        build_data(base, DistillRecipe(chat_prompts=0, corpus_sequences=0, text_prompts=4), tmp_path / "base", taps=(1,))
     with pytest.raises(SpecjaxError, match="no \\*.continuations.jsonl"):
         build_data(model, dataclasses.replace(second, avoid_prompts_from=(str(tmp_path / "nothing"),)),
                    tmp_path / "third", taps=(1,))

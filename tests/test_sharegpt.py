@@ -133,6 +133,7 @@ def test_the_recipe_draws_disjoint_requests_for_its_two_label_sources(tmp_path, 
     monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
     text = lambda messages: " | ".join(m["content"] for m in messages)  # noqa: E731
     tokenizer = types.SimpleNamespace(encode_chat=lambda messages: [ord(c) for c in text(messages)],
+                                      chat_template="{{ messages }}",
                                       encode=lambda s, add_special_tokens=False: [ord(c) for c in s])
     model = types.SimpleNamespace(tokenizer=tokenizer, params=None, config=None, eos_token_ids=(3,))
     recipe = DistillRecipe(chat_prompts=0, corpus_sequences=0, sharegpt_prompts=20, sharegpt_replies=30,
