@@ -205,8 +205,10 @@ def _run_processes(command: list[str], tmp_path: Path, timeout: int) -> list[tup
 
 def _printed(results) -> list[list[str]]:
     """Each process's own stdout lines. gloo's connection messages ("[Gloo] Rank 0 is connected to 1
-    peer ranks ...") go to every process's C stdout unbuffered, so they can split a line: dropped."""
-    return [[line for line in out.splitlines() if line.strip() and "peer ranks" not in line]
+    peer ranks ...") go to every process's C stdout unbuffered, so they can split a line, and leave
+    their pieces (a bare "1") on lines of their own: dropped."""
+    return [[line for line in out.splitlines()
+             if line.strip() and "peer ranks" not in line and "[Gloo]" not in line and not line.strip().isdigit()]
             for _, out, _ in results]
 
 
