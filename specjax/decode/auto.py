@@ -161,16 +161,14 @@ class AutoMemory:
 
     def stays_on_ar(self, batch: int, steps: int, config: AutoConfig) -> bool:
         """Whether a call of `batch` rows and at most `steps` decode steps would run AR throughout:
-        every speculative policy was measured, AR holds against the best of them (as
-        `choose_policy` holds it), and no probe falls due within the call."""
+        `choose_policy` itself, asked as of the call's last step (idle only grows while AR holds),
+        picks AR, so every speculative policy was measured, AR holds against the best of them and no
+        probe falls due within the call."""
         state = self._states.get(batch)
-        if state is None or (np.asarray(state.steps)[1:] == 0).any() or int(state.current) != 0:
+        if state is None:
             return False
-        value = np.asarray(state.tokens_per_step, np.float64) / self._seconds[batch]  # [P] tokens per second
-        best = int(np.argmax(value))
-        if best > 0 and value[best] > value[0] * (1.0 + config.margin):
-            return False
-        return config.probe_every == 0 or int(state.idle) + steps < config.probe_every * int(state.probe_factor)
+        last = jax.tree.map(jnp.asarray, state.replace(idle=np.asarray(int(state.idle) + steps - 1, np.int32)))
+        return int(choose_policy(last, jnp.asarray(self._seconds[batch], jnp.float32), config)) == 0
 
     def ran_ar(self, batch: int, steps: int) -> AutoState:
         """Count `steps` plain AR steps of a call that stayed on AR as auto's own; the state after."""

@@ -351,9 +351,10 @@ class Engine:
         prefill_s = time.perf_counter() - start
         remembers = self._auto_remembers(shape)
         steps_before = 0  # the policy steps a remembered state had already counted
-        if remembers and self._auto_memory.start(shape.batch) is not None:
-            state = state.replace(auto=jax.tree.map(jnp.asarray, self._auto_memory.start(shape.batch)))
-            steps_before = np.asarray(self._auto_memory.start(shape.batch).steps)
+        remembered = self._auto_memory.start(shape.batch) if remembers else None
+        if remembered is not None:
+            state = state.replace(auto=jax.tree.map(jnp.asarray, remembered))
+            steps_before = np.asarray(remembered.steps)
         if shape.streaming:
             state, redrafted = self._stream_slots(shape, run, refresh, parts, state, on_tokens, retrieval, redraft)
         else:
