@@ -12,15 +12,18 @@ A variant is a dash-joined list of settings:
             argmax token (`DrafterTrainConfig.topk_weight`; the sets must be built with top-k);
   d<N>      train on the first N `--data` folders only (default: all of them), the data lever;
   g<X>      slot k's loss weight exp(-(k-1)/X) (`DrafterTrainConfig.gamma`, default 7): a small X
-            spends the drafter's capacity on the first slots, which carry most of a chain's tau.
+            spends the drafter's capacity on the first slots, which carry most of a chain's tau;
+  a<N>      N anchor blocks per sequence per step (default 32; DFlash uses 512);
+  v<N>      a head over the N most frequent labels of the training sets; v0 is the target's whole
+            vocabulary through its own head, as DFlash drafts (default: the starting drafter's).
 For example `--variants b8,b8-topk1,b8-l2` compares argmax cross-entropy, top-k cross-entropy and a
 second layer at block 8.
 
-Each run starts from the committed drafter (or `--start FOLDER`), trains in bf16 with float32 master weights on the
-distillation sets in each `--data` folder (those `specjax train-drafter` wrote: chat, everyday, math,
-code, self_instruct and corpus, whichever exist), and is scored by greedy chain decoding replayed over
-the held-out chat answers in the first folder's `heldout_chat`, looping ones left out
-(`chain_walk_tau`). Every run on the same data sees the same batches of sequences and anchors. Each drafter is written to `--out/<variant>/drafter`,
+Each run starts from the committed drafter (or `--start FOLDER`), trains in `--dtype` (bf16 by default,
+with float32 master weights) on the distillation sets in each `--data` folder (those `specjax
+train-drafter` wrote: chat, everyday, math, code, self_instruct, corpus, sharegpt and sharegpt_replies,
+whichever exist), and is scored by greedy chain decoding replayed over the held-out answers in the
+first folder's `--heldout` set (heldout_chat by default), looping ones left out (`chain_walk_tau`). Every run on the same data sees the same batches of sequences and anchors. Each drafter is written to `--out/<variant>/drafter`,
 for real decoding with experiments/drafter_compare.py. A rerun resumes each run from its checkpoints.
 """
 
@@ -32,24 +35,24 @@ import json
 import re
 from pathlib import Path
 
-TRAIN_SETS = ("chat", "everyday", "math", "code", "self_instruct", "corpus")
-SETTING = re.compile(r"^(b|l|d|g|topk)(\d+(?:\.\d+)?)$")
+TRAIN_SETS = ("chat", "everyday", "math", "code", "self_instruct", "corpus", "sharegpt", "sharegpt_replies")
+SETTING = re.compile(r"^(b|l|d|g|a|v|topk)(\d+(?:\.\d+)?)$")
 
 
 def parse_variant(text: str, committed_layers: int, data_folders: int, default_gamma: float) -> dict:
     """'b8-topk1' -> {'block': 8, 'layers': committed_layers, 'topk_weight': 1.0, 'data': data_folders,
-    'gamma': default_gamma}."""
+    'gamma': default_gamma, 'anchors': 32, 'vocab': None}; vocab None keeps the starting drafter's head."""
     variant = {"block": 16, "layers": committed_layers, "topk_weight": 0.0, "data": data_folders,
-               "gamma": default_gamma}
+               "gamma": default_gamma, "anchors": 32, "vocab": None}
     for part in text.split("-"):
         match = SETTING.match(part)
         if match is None:
-            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, d<N>, g<X>, topk<W>")
+            raise SystemExit(f"variant {text!r}: {part!r} is none of b<N>, l<N>, d<N>, g<X>, a<N>, v<N>, topk<W>")
         key, value = match.groups()
         if key in ("topk", "g"):
             variant[{"topk": "topk_weight", "g": "gamma"}[key]] = float(value)
         else:
-            variant[{"b": "block", "l": "layers", "d": "data"}[key]] = int(value)
+            variant[{"b": "block", "l": "layers", "d": "data", "a": "anchors", "v": "vocab"}[key]] = int(value)
     if not 1 <= variant["data"] <= data_folders:
         raise SystemExit(f"variant {text!r}: d{variant['data']} asks for more than the {data_folders} --data folders")
     return variant
@@ -65,6 +68,10 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=5,
                         help="held-out evaluations (and checkpoints) over the run, evenly spaced; more draw a finer curve")
     parser.add_argument("--out", default="runs/levers")
+    parser.add_argument("--heldout", default="heldout_chat",
+                        help="the first --data folder's held-out set that scores every run (heldout_sharegpt for ShareGPT)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="compute dtype of target and drafter (float32 where the CPU has no bf16 units)")
     parser.add_argument("--plot", help="also draw the held-out curves (chain tau against step) into this PNG")
     parser.add_argument("--start", default="default",
                         help="the drafter every variant starts from: a DFlash-format folder, or default (the committed one)")
@@ -78,8 +85,8 @@ def main() -> None:
     from specjax.io.dflash import save_drafter
     from specjax.io.registry import load_model, resolve_drafter
     from specjax.models.drafter import DrafterConfig, init_drafter_params
-    from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, heldout_chain_tau, init_from_drafter,
-                                       init_from_target_layers, train_drafter, without_looping)
+    from specjax.train.drafter import (DistillationSet, DrafterTrainConfig, choose_draft_vocab, heldout_chain_tau,
+                                       init_from_drafter, init_from_target_layers, train_drafter, without_looping)
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 
     folders = [Path(d) for d in args.data]
@@ -90,9 +97,9 @@ def main() -> None:
             parser.error(f"{data} holds none of the distillation sets {', '.join(TRAIN_SETS)}")
         sets_by_folder.append(found)
         print(f"{data}: {sum(s.num_tokens for s in found):,} labels", flush=True)
-    heldout, looping = without_looping(DistillationSet.open(folders[0] / "heldout_chat"))
-    print(f"held-out chat: {heldout.num_sequences} answers ({looping} looping left out)", flush=True)
-    model = load_model("smollm2", "bfloat16")
+    heldout, looping = without_looping(DistillationSet.open(folders[0] / args.heldout))
+    print(f"{args.heldout}: {heldout.num_sequences} answers ({looping} looping left out)", flush=True)
+    model = load_model("smollm2", args.dtype)
     committed = resolve_drafter(args.start, "smollm2")
     variants = {name: parse_variant(name, committed.config.num_layers, len(folders), DrafterTrainConfig.gamma)
                 for name in args.variants.split(",")}
@@ -103,6 +110,12 @@ def main() -> None:
         config = DrafterConfig.for_target(model.config, num_layers=layers, block_size=block,
                                           num_taps=len(committed.config.target_layer_ids),
                                           anchor_path=committed.config.anchor_path)
+        if variant["vocab"] is None:
+            draft_vocab = committed.draft_vocab
+        elif variant["vocab"] == 0 or variant["vocab"] >= model.config.vocab_size:
+            draft_vocab = None
+        else:
+            draft_vocab = choose_draft_vocab(sets, variant["vocab"], always=model.eos_token_ids)
         # The committed drafter's slots 0..block-1 carry over; every other parameter is block-free.
         cut = jax.tree_util.tree_map_with_path(
             lambda path, a: a[:block] if "slot_embedding" in jax.tree_util.keystr(path) else a, committed.params)
@@ -112,18 +125,18 @@ def main() -> None:
                                         range(model.config.num_layers - layers, model.config.num_layers))
         params = init_from_drafter(fresh, config, start)
         run = Path(args.out) / name
-        before = heldout_chain_tau(heldout, config, model.params, model.config, committed.draft_vocab)(params)
+        before = heldout_chain_tau(heldout, config, model.params, model.config, draft_vocab)(params)
         params = train_drafter(
             model.params, model.config, config, sets, run / "run",
             OptimizerConfig(learning_rate=args.learning_rate, warmup_steps=min(200, args.steps // 10),
                             total_steps=args.steps),
             LoopConfig(steps=args.steps, seed=0, eval_every=max(args.steps // args.evals, 1),
                        checkpoint_every=max(args.steps // args.evals, 1)),
-            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=32, topk_weight=variant["topk_weight"],
-                               gamma=variant["gamma"]),
-            heldout=heldout, init_params=params, draft_vocab=committed.draft_vocab)
+            DrafterTrainConfig(sequences_per_batch=4, anchors_per_sequence=variant["anchors"],
+                               topk_weight=variant["topk_weight"], gamma=variant["gamma"]),
+            heldout=heldout, init_params=params, draft_vocab=draft_vocab)
         save_drafter(run / "drafter", config, params, model.config, dtype="bfloat16",
-                     draft_vocab=None if committed.draft_vocab is None else np.asarray(committed.draft_vocab))
+                     draft_vocab=None if draft_vocab is None else np.asarray(draft_vocab))
         metrics = read_metrics(run / "run")
         evals = [m for m in metrics if "eval/tau_estimate" in m]
         elapsed = [m["elapsed_s"] for m in metrics if "elapsed_s" in m]  # since this process's start

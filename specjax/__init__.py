@@ -12,7 +12,9 @@ The public API (each name is imported on first use, so `import specjax` stays ch
 - serving without HTTP: `Scheduler` (`submit`, `live_view`, `shutdown`), `ServeConfig`,
   `ControllerConfig`, `Request`; a server's run log: `read_run_log`, `request_latencies`,
   `summarize_run`;
-- text to try long contexts on: `load_corpus(name)` (public-domain corpora, fetched on first use);
+- text to try long contexts on: `load_corpus(name)` (public-domain corpora, fetched on first use),
+  `long_context_tasks(...)` (`LongTask`s with exact answers: verse, speaker, needle), and
+  `LLM.retrieve` (a `RetrievalView`: what rapid drafts from);
 - training: `train_lm(out_dir, LMRecipe(...))` (a small target from scratch), `train_drafter(model,
   out_dir, DistillRecipe(...))`, `train_refiner(model, drafter, out_dir, RefinerRecipe(...))`,
   `train_compressor(model, drafter, out_dir, CompressorRecipe(...))`, and `read_metrics(run_dir)` for
@@ -36,13 +38,15 @@ _EXPORTS = {
     "CompressorRecipe": "specjax.train.compressor", "LMRecipe": "specjax.train.lm",
     "read_metrics": "specjax.train.loop", "SpecjaxError": "specjax.errors",
     "read_run_log": "specjax.monitor.report", "request_latencies": "specjax.monitor.report",
-    "load_corpus": "specjax.data.corpora",
+    "load_corpus": "specjax.data.corpora", "LongTask": "specjax.data.longbench",
+    "RetrievalView": "specjax.data.retrieval",
     "HELDOUT_CHAT_PROMPTS": "specjax.data.prompts",
 }
 # Public name -> (module, name there), for the recipes whose functions carry longer names.
 _RENAMED = {
     "train_lm": ("specjax.train.lm", "train_lm_recipe"),
     "summarize_run": ("specjax.monitor.report", "summarize"),
+    "long_context_tasks": ("specjax.data.longbench", "build_tasks"),
     "train_drafter": ("specjax.train.recipe", "train_drafter_recipe"),
     "train_refiner": ("specjax.train.refiner", "train_refiner_recipe"),
     "train_compressor": ("specjax.train.compressor", "train_compressor_recipe"),

@@ -219,6 +219,22 @@ class LLM:
                                         list(question), config, redraft_every, self._index_cache, chat=chat)
         return long, config, redraft
 
+    def retrieve(self, question: Prompt, document: str, retrieval=None, chat: bool | None = None):
+        """What rapid would draft from for `question` about `document`: a RetrievalView with every
+        chunk, its score and the chunks picked (retrieval: a RetrievalConfig; default RetrievalConfig()).
+        The index is the one `generate(..., document=...)` uses, so a later generate reuses it."""
+        from specjax.data.retrieval import IndexCache, RetrievalConfig, retrieval_view
+
+        if self.tokenizer is None:
+            raise SpecjaxError(f"{self.model.name} has no tokenizer, which retrieval needs")
+        if not isinstance(document, str):
+            raise SpecjaxError(f"document must be text, got {type(document).__name__}")
+        if self._index_cache is None:
+            self._index_cache = IndexCache()
+        chat = bool(self.tokenizer.chat_template) if chat is None else chat
+        return retrieval_view(self.tokenizer, document, question if isinstance(question, str) else list(question),
+                              retrieval or RetrievalConfig(), self._index_cache, chat=chat)
+
     def draft_blocks(self, contexts: Sequence[Sequence[int]], anchors: Sequence[int] | None = None):
         """The drafter's greedy block after each context (token ids), anchored at `anchors` (the
         token committed after each context; None: the target's greedy next token): what a greedy

@@ -184,3 +184,42 @@ def test_a_chat_gets_the_document_before_its_last_user_message():
         long_context_prompt(Echo(), "DOC", messages[:1])
     with pytest.raises(SpecjaxError, match="chat template"):
         long_context_prompt(Echo(), "DOC", messages, chat=False)
+
+
+def test_the_retrieval_view_shows_every_chunk_its_score_and_the_pick():
+    from specjax.data.retrieval import retrieval_view
+
+    class Words:  # one token per word of the filler document (see _document)
+        def __init__(self):
+            self.vocab = []
+
+        def encode(self, text, add_special_tokens=True):
+            words = text.replace("\n\n", " \n\n ").split(" ")
+            for w in words:
+                if w and w not in self.vocab:
+                    self.vocab.append(w)
+            return [self.vocab.index(w) for w in words if w]
+
+        def encode_chat(self, messages):
+            return self.encode(messages[-1]["content"])
+
+        def decode(self, ids):
+            return " ".join(self.vocab[i] for i in ids)
+
+    ids, decode, _ = _document(needle_chunk=4)
+    text = decode(ids)
+    config = RetrievalConfig(retriever="bm25", chunk_tokens=8, budget_tokens=8, min_score=0.0)
+    cache = IndexCache()
+    view = retrieval_view(Words(), text, "what is the secret password", config, cache, chat=False)
+    assert len(view.chunks) == 12 and view.scores.shape == (12,)
+    assert view.selected == [4] and "marmalade" in view.chunks[4]
+    assert int(np.argmax(view.scores)) == 4 and view.min_score == 0.0
+    assert "retrieved 1 of 12 chunks" in view.summary
+    assert (cache.misses, cache.hits) == (1, 1)  # the view reads the index the prompt built
+
+
+def test_a_long_task_knows_its_answer():
+    from specjax.data.longbench import LongTask
+
+    task = LongTask("needle", "ctx", "q?", "blue heron", 3, "austen")
+    assert task.answered_by("The passphrase is: blue heron.") and not task.answered_by("red fox")

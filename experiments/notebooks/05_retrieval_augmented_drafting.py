@@ -68,29 +68,17 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import specjax
-# The tasks and the retrieval index come from specjax's data layer, for the analysis below; decoding
-# goes through the public API alone.
-from specjax.data.corpora import load_corpus
-from specjax.data.longbench import build_tasks, is_correct
-from specjax.data.retrieval import IndexCache, describe_long_context, long_context_prompt
 from specjax.notebook import summary
 
 # A drafter only for rapid+block; prompts padded to 512s, so the tasks share compiled programs.
 llm = specjax.LLM("smollm2", dtype=ENV.dtype, drafter="default" if "rapid+block" in METHODS else None, refiner=None,
                   prompt_bucket=512)
-model = llm.model
 config = specjax.RetrievalConfig(retriever=RETRIEVER, chunk_tokens=CHUNK_TOKENS, budget_tokens=RETRIEVAL_BUDGET)
-encoder = None
-if RETRIEVER == "minilm":
-    from specjax.io.encoder import load_sentence_encoder
-
-    encoder = load_sentence_encoder()
-tasks = build_tasks(model.tokenizer, CONTEXT_TOKENS, per_task=TASKS, tasks=["needle"],
-                    corpora={"austen": load_corpus("austen")})
-cache = IndexCache()
-prompts = [long_context_prompt(model.tokenizer, t.context, t.question, config, cache, encoder) for t in tasks]
-for task, prompt in zip(tasks, prompts):
-    print(f"{task.source}, passphrase {task.answer!r}: {describe_long_context(prompt.summary(config))}")
+tasks = specjax.long_context_tasks(llm.tokenizer, CONTEXT_TOKENS, per_task=TASKS, tasks=["needle"],
+                                   corpora={"austen": specjax.load_corpus("austen")})
+views = [llm.retrieve(task.question, task.context, config) for task in tasks]
+for task, view in zip(tasks, views):
+    print(f"{task.source}, passphrase {task.answer!r}: {view.summary}")
 
 # %% [markdown]
 # ## What retrieval picked
@@ -102,22 +90,20 @@ for task, prompt in zip(tasks, prompts):
 # %%
 needle_found = []
 fig, axes = plt.subplots(1, len(tasks), figsize=(min(5 * len(tasks), 15), 3.2), squeeze=False)
-for ax, task, prompt in zip(axes[0], tasks, prompts):
-    index = cache.get_or_build(model.tokenizer.encode(task.context, add_special_tokens=False), model.tokenizer.decode,
-                               config, encoder)
-    scores = index.scorer.scores(task.question)
-    holding = [i for i, text in enumerate(index.texts) if task.answer in text]  # the chunk(s) with the needle
-    needle_found.append(any(i in prompt.selection.chunks for i in holding))
-    colours = ["tab:green" if i in prompt.selection.chunks else "lightgray" for i in range(len(scores))]
+for ax, task, view in zip(axes[0], tasks, views):
+    scores = view.scores
+    holding = [i for i, text in enumerate(view.chunks) if task.answer in text]  # the chunk(s) with the needle
+    needle_found.append(any(i in view.selected for i in holding))
+    colours = ["tab:green" if i in view.selected else "lightgray" for i in range(len(scores))]
     bars = ax.bar(np.arange(len(scores)), scores, color=colours)
     for i in holding:
         bars[i].set_edgecolor("black")
         bars[i].set_linewidth(2)
-    ax.axhline(config.min_score, color="tab:red", linestyle=":", linewidth=1)
+    ax.axhline(view.min_score, color="tab:red", linestyle=":", linewidth=1)
     ax.set(xlabel=f"chunk ({CHUNK_TOKENS} tokens each, in document order)",
            ylabel="cosine to the question (MiniLM-L6)" if RETRIEVER == "minilm" else "BM25 score",
            title=f"{task.source.split(',')[0]}: needle {'retrieved' if needle_found[-1] else 'MISSED'} "
-                 f"({len(prompt.selection.chunks)} "
+                 f"({len(view.selected)} "
                  f"of {len(scores)} chunks picked)", xticks=np.arange(len(scores)))
 axes[0][0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:green"),
                            plt.Rectangle((0, 0), 1, 1, color="lightgray"),
@@ -156,7 +142,7 @@ for task in tasks:
         # A verify step per entry of the histogram's sum; AR: one target pass per token.
         steps = sum(out.metrics["accepted_length_histogram"]) if "tau" in out.metrics else decoded
         rate = out.metrics["batch"]["decode_tokens_per_s"]
-        results[method].append({"tokens": out.token_ids, "text": out.text, "correct": is_correct(task, out.text),
+        results[method].append({"tokens": out.token_ids, "text": out.text, "correct": task.answered_by(out.text),
                                 "steps": steps, "decoded": decoded, "step_ms": 1e3 * decoded / rate / max(steps, 1),
                                 "decode_tokens_per_s": rate, "prefill_s": out.metrics["batch"]["prefill_s"],
                                 "tau": out.metrics.get("tau"), "lossy": "lossy" in out.metrics["batch"]})

@@ -42,6 +42,10 @@ class LongTask:
     source: str
     """Where the context comes from: a book or play, and the place asked about."""
 
+    def answered_by(self, output: str) -> bool:
+        """Whether `output` answers this task (`is_correct`)."""
+        return is_correct(self, output)
+
 
 def _words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())

@@ -269,6 +269,40 @@ def long_context_prompt(tokenizer, document: str, question: str | list[dict], co
 
 
 @dataclasses.dataclass(frozen=True)
+class RetrievalView:
+    """What retrieval saw and picked for one question about one document: every chunk with its
+    score, for looking at (`LLM.retrieve`)."""
+
+    chunks: list[str]
+    """Every chunk of the document, in document order, as the retriever read it."""
+    scores: np.ndarray
+    """[C] float: each chunk's score against the query (cosine for minilm, BM25 for bm25)."""
+    selected: list[int]
+    """Indices of the chunks picked for rapid's drafting context, ascending."""
+    min_score: float
+    """The config's threshold: chunks scoring below it are never picked."""
+    summary: str
+    """One line: the context, what was picked and what it cost."""
+
+
+def retrieval_view(tokenizer, document: str, question: str | list[dict], config: RetrievalConfig,
+                   cache: IndexCache | None = None, chat: bool = True) -> RetrievalView:
+    """The chunks, their scores and the selection rapid would draft from for `question`."""
+    encoder = None
+    if config.retriever in NEEDS_ENCODER:
+        from specjax.io.encoder import load_sentence_encoder
+
+        encoder = load_sentence_encoder()
+    cache = cache if cache is not None else IndexCache()
+    prompt = long_context_prompt(tokenizer, document, question, config, cache, encoder, chat=chat)
+    index = cache.get_or_build(tokenizer.encode(document, add_special_tokens=False), tokenizer.decode, config,
+                               encoder)  # a hit: the prompt above built it
+    return RetrievalView(list(index.texts), np.asarray(index.scorer.scores(prompt.selection.query)),
+                         list(prompt.selection.chunks), config.min_score,
+                         describe_long_context(prompt.summary(config)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Redraft:
     """Re-retrieval while decoding (rapid, rapid+block): every `every` generated tokens a row's
     drafting context is rebuilt from a new drafting prompt, typically chunks retrieved for the
