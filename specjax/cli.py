@@ -517,11 +517,12 @@ def _serve_config(args, policies: tuple[str, ...] | None = None):
 
 def cmd_serve(args) -> int:
     """The OpenAI-compatible server: continuous batching over --slots slots, until Ctrl-C or SIGTERM."""
+    from specjax.serve.config import ADAPTIVE
     from specjax.serve.controller import ControllerConfig
     from specjax.serve.scheduler import Scheduler
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
-    if policies is not None and args.method != "adaptive":
+    if policies is not None and args.method != ADAPTIVE:
         raise SpecjaxError("--policies applies to --method adaptive")
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise SpecjaxError(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
@@ -530,7 +531,7 @@ def cmd_serve(args) -> int:
     # Without --policies the controller's default set depends on the drafter's block and the target's
     # padding, known only once loaded: check the options against every set it may choose.
     default_sets = ControllerConfig().policy_set(16) + ControllerConfig().policy_set(16, query_rows=8)
-    served = (policies or default_sets) if args.method == "adaptive" else (args.method,)
+    served = (policies or default_sets) if args.method == ADAPTIVE else (args.method,)
     methods = sorted(set(served))  # chain:K tiers need what chain needs (slot_method says so)
     _check_decode_args(args, methods)
     model = _load_target(args, served=True)

@@ -13,11 +13,15 @@ from specjax.errors import SpecjaxError, check_at_least
 from specjax.serve.controller import ControllerConfig
 
 
+ADAPTIVE = "adaptive"
+"""The serving mode in which the controller picks a policy at every device call (not a slot method)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """How the serving engine is shaped; all of it is fixed at start-up."""
 
-    method: str = "adaptive"
+    method: str = ADAPTIVE
     """"adaptive": the controller chooses among precompiled policies (`controller`) at every device
     call; or one fixed method of `specjax.decode.slots.slot_method` ("ar", "chain", "chain:3", "tree",
     ...) for comparison."""
@@ -80,6 +84,11 @@ class ServeConfig:
     drafting prompt (the chunks retrieved from its document and its question, `Request.drafting_prompt`),
     its generated tokens and one step's writes. Allocated per slot beside the full context. None:
     the retrieval budget + max_new_tokens + 256 (the question and the chat template)."""
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the controller chooses the policy (method ADAPTIVE) rather than one fixed method."""
+        return self.method == ADAPTIVE
 
     @property
     def drafting_slots(self) -> int:

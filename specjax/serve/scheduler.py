@@ -73,7 +73,7 @@ class Scheduler:
         between processes (default $SPECJAX_CACHE/latency). mesh: serve over these devices
         (specjax/sharding.py): the weights placed by the sharding rules, the slots split over `data`
         and `fsdp` and each slot's KV heads over `model`; every program keeps that layout."""
-        self.adaptive = config.method == "adaptive"
+        self.adaptive = config.adaptive
         policies = served_policies(model, drafter, config)
         drafter, refiner = needed_parts(policies, drafter, refiner, model)
         self.shapes = shapes = plan_shapes(policies, model, drafter, refiner, config)

@@ -69,7 +69,7 @@ class ServingShapes:
 def served_policies(model: LoadedModel, drafter: LoadedDrafter | None, config: ServeConfig) -> tuple[str, ...]:
     """The policies a server compiles, each as a target padded to fewer query rows than the block
     runs it ("chain" verifies at most that many rows there)."""
-    if config.method != "adaptive":
+    if not config.adaptive:
         policies = (config.method,)
     elif drafter is None:
         log.warning("adaptive serving without a drafter: the only policy is ar")
