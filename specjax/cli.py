@@ -395,6 +395,7 @@ def cmd_bench(args) -> int:
     from specjax.decode.bench import format_table, run_bench
     from specjax.decode.engine import Engine
     from specjax.decode.sampling import SamplingConfig
+    from specjax.decode.slots import slot_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -410,17 +411,18 @@ def cmd_bench(args) -> int:
     model = _load_target(args)
     if model.tokenizer is None:
         raise SpecjaxError(f"{args.model} has no tokenizer, so text prompts cannot be used")
-    options = {"chain+refiner": {"refine": _refine_config(args)}, "tree": {"tree": _tree_config(args)},
-               "tree+refiner": {"refine": _refine_config(args), "tree": _tree_config(args)},
-               "ngram": {"ngram": _ngram_config(args)}, "auto": {"tree": _tree_config(args)}}
+    # Every method gets every config; a method reads only its own (its registry entry says which).
+    options = {method: {"refine": _refine_config(args), "tree": _tree_config(args), "ngram": _ngram_config(args)}
+               for method in methods}
     long = None
     if args.context_file:  # one long-context request, the same for every method
         long, retrieval, redraft = _long_context(args, model, methods)
         prompts = [long.full]
         if long.drafting is not None:
-            options["rapid"] = {"drafting_prompts": [long.drafting],
-                                "rapid": RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta), "redraft": redraft}
-            options["rapid+block"] = {"drafting_prompts": [long.drafting], "redraft": redraft}
+            for method in methods:
+                if slot_method(method).needs_retrieval:
+                    options[method].update(drafting_prompts=[long.drafting], redraft=redraft,
+                                           rapid=RapidConfig(drafts=args.rapid_drafts, eta=args.rapid_eta))
     else:
         prompts = [model.tokenizer.encode(t) if args.no_chat else model.tokenizer.encode_chat(t) for t in texts]
     parts = _parts_for(args, model)
