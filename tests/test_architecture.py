@@ -69,3 +69,51 @@ def test_the_check_sees_a_banned_import(tmp_path):
     offender = tmp_path / "bad.py"
     offender.write_text("def f():\n    from specjax.decode.engine import Engine\n")
     assert any(m.startswith("specjax.decode") for m in imported_modules(offender))
+
+
+METHOD_NAMES = ("ar", "chain", "chain+refiner", "tree", "tree+refiner", "rapid", "rapid+block", "ngram", "auto",
+                "adaptive")
+"""Every registry method and the adaptive serving mode (kept in step with SLOT_METHODS below)."""
+
+
+AMBIGUOUS = {"auto"}
+"""Names that are also ordinary option values (`--dtype auto`): compared only with something named
+after a method or policy do they count."""
+
+
+def method_name_comparisons(path: Path) -> list[int]:
+    """Lines where a method name is compared to a string literal (`m == "chain"`, `m in ("ar", ...)`,
+    `"tree" in methods`)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for side in sides:
+            elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            names = [e.value for e in elements if isinstance(e, ast.Constant) and e.value in METHOD_NAMES]
+            others = " ".join(ast.unparse(o).lower() for o in sides if o is not side)
+            if any(n not in AMBIGUOUS or "method" in others or "polic" in others for n in names):
+                lines.append(node.lineno)
+                break
+    return lines
+
+
+def test_only_the_registry_compares_method_names_to_literals():
+    """The host side asks a method's registry entry (`SlotMethod`) what it needs; only the registry
+    itself (decode/slots.py) and the serving config's ADAPTIVE constant spell method names."""
+    from specjax.decode.slots import SLOT_METHODS
+
+    assert set(SLOT_METHODS) | {"adaptive"} == set(METHOD_NAMES)
+    allowed = {PACKAGE / "decode" / "slots.py", PACKAGE / "serve" / "config.py"}
+    offences = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+                if path not in allowed for line in method_name_comparisons(path)]
+    assert not offences, "method names compared to literals outside the registry: " + ", ".join(offences)
+
+
+def test_the_method_name_check_sees_a_comparison(tmp_path):
+    offender = tmp_path / "bad.py"
+    offender.write_text('def f(method, stats):\n    if method == "tree":\n        pass\n'
+                        '    ok = "auto" in stats and stats["dtype"] == "auto"\n    bad = method in ("ar", "chain")\n'
+                        '    worse = "auto" in methods\n')
+    assert method_name_comparisons(offender) == [2, 5, 6]

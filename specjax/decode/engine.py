@@ -235,7 +235,7 @@ class Engine:
         if spec.needs_auto and query_rows is not None and self.drafter.config.block_size > query_rows:
             raise SpecjaxError(f"auto's chain verifies the drafter's whole block of {self.drafter.config.block_size} "
                                f"rows, more than the target's query_rows ({query_rows}); raise --query-rows")
-        if spec.needs_retrieval and not spec.needs_drafter:
+        if spec.target_drafts:
             rapid = rapid.within_query_rows(query_rows)  # stats report the drafts it ran (rapid_drafts)
         if spec.needs_retrieval and (drafting_prompts is None or len(drafting_prompts) != num_prompts):
             raise SpecjaxError(f"method {method!r} drafts from a retrieved context: give one drafting prompt "
@@ -274,7 +274,7 @@ class Engine:
             refine=refine if spec.needs_refiner else None,
             tree=tree if spec.needs_tree else None,
             step_tokens=max(slack, 1),
-            rapid=rapid if spec.needs_retrieval and not spec.needs_drafter else None,
+            rapid=rapid if spec.target_drafts else None,
             ngram=ngram if spec.needs_ngram else None,
             auto=auto if spec.needs_auto else None,
             drafting_bucket=drafting_bucket,

@@ -890,6 +890,11 @@ class SlotMethod:
         return self.needs_drafter or self.needs_retrieval or self.needs_ngram
 
     @property
+    def target_drafts(self) -> bool:
+        """The target itself drafts, from each row's retrieved passages (rapid; SlotStatics.rapid)."""
+        return self.needs_retrieval and not self.needs_drafter
+
+    @property
     def takes_draft_limit(self) -> bool:
         """A block method: "family:K" verifies K drafts of its block (BLOCK_METHODS)."""
         return self.family in BLOCK_METHODS
@@ -899,7 +904,7 @@ class SlotMethod:
         block (1 without one), trees of at most largest_tree nodes, and rapid's or ngram's drafts.
         Sliding layers keep KV rings this much past their window; a cache must hold it past the
         longest answer."""
-        if self.needs_retrieval and not self.needs_drafter:  # rapid verifies its drafts and the last token
+        if self.target_drafts:  # rapid verifies its drafts and the last token
             return rapid_drafts + 1
         if self.needs_ngram:
             return ngram_drafts + 1
@@ -955,7 +960,7 @@ METHOD_PARTS: tuple[MethodPart, ...] = (
                ("refiner", "refine_passes", "no_adaptive_refine", "refine_keep_confident", "refine_slots")),
     MethodPart("trees", lambda m: m.needs_tree,
                ("tree_budget", "tree_shape", "tree_buckets", "tree_top_k", "tree_width")),
-    MethodPart("the target drafting from retrieved passages", lambda m: m.needs_retrieval and not m.needs_drafter,
+    MethodPart("the target drafting from retrieved passages", lambda m: m.target_drafts,
                ("rapid_drafts", "rapid_eta")),
     MethodPart("prompt lookup", lambda m: m.needs_ngram, ("ngram_drafts", "ngram_max", "ngram_min")),
     MethodPart("retrieval", lambda m: m.needs_retrieval,
@@ -1013,7 +1018,7 @@ def check_method(name: str, statics: SlotStatics, parts: SlotParts | None = None
         ("a drafting context (SlotStatics.drafting_length)", method.needs_retrieval, statics.drafting_length > 0),
         # rapid drafts with the target on its retrieval cache; rapid+block with the drafter on
         # drafting-prompt features.
-        ("SlotStatics.rapid", method.needs_retrieval and not method.needs_drafter, statics.rapid is not None),
+        ("SlotStatics.rapid", method.target_drafts, statics.rapid is not None),
         ("SlotStatics.drafter_on_retrieval", method.needs_retrieval and method.needs_drafter,
          statics.drafter_on_retrieval),
         ("a drafter context at full-prompt positions (not drafter_on_retrieval)",

@@ -127,7 +127,7 @@ def plan_shapes(policies: tuple[str, ...], model: LoadedModel, drafter: LoadedDr
         target_config=model.config, slot=slot_config, eos_token_ids=tuple(model.eos_token_ids),
         drafter_config=None if drafter is None else drafter.config,
         refiner_config=None if refiner is None else refiner.config, refine=config.refine, tree=tree,
-        rapid=config.rapid.within_query_rows(query_rows) if "rapid" in policies else None,
+        rapid=config.rapid.within_query_rows(query_rows) if needs("target_drafts") else None,
         drafting_length=-(-config.drafting_slots // 64) * 64 if from_retrieval else 0,
         drafter_on_retrieval=from_retrieval and drafter is not None,
         ngram=config.ngram if needs("needs_ngram") else None)
