@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specjax.compile_cache import compile_or_load
 from specjax.decode.sampling import SamplingConfig
 from specjax.decode.refine import RefineConfig
 from specjax.decode.budget import LatencyModel
@@ -442,14 +441,8 @@ class Engine:
         run_fn = jax.jit(partial(loop, method=shape.method, statics=statics), donate_argnums=1, **pinned)
         # Re-retrieval's refresh: one trace per drafting-prompt width, on first use.
         refresh_fn = jax.jit(partial(slot_api.refresh_drafting, statics=statics), donate_argnums=1, **pinned)
-        if self.mesh is None:  # one device: the executables themselves are kept (compile_cache.py)
-            static = repr((shape.method, shape.streaming, statics))
-            self._compiled[shape] = (
-                compile_or_load(insert_fn, "engine insert", repr(statics), (parts, state, request), out_like=state),
-                compile_or_load(run_fn, "engine loop", static, (parts, state), out_like=state), refresh_fn)
-        else:
-            self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
-                                     run_fn.lower(parts, state).compile(), refresh_fn)
+        self._compiled[shape] = (insert_fn.lower(parts, state, request).compile(),
+                                 run_fn.lower(parts, state).compile(), refresh_fn)
         return time.perf_counter() - start
 
     def _stream_slots(self, shape: DecodeRequestShape, run, refresh, parts, state, on_tokens, retrieval,
