@@ -739,15 +739,14 @@ def cmd_train_lm(args) -> int:
 
 def cmd_cache(args) -> int:
     """What the persistent compilation cache holds, or empty it."""
-    from specjax.compile_cache import (cache_bytes, clear_compile_cache, compile_cache_dir, compile_cache_enabled,
-                                       executables_dir)
+    from specjax.compile_cache import cache_bytes, clear_compile_cache, compile_cache_dir, compile_cache_enabled
 
     if args.action == "clear":
         print(f"removed {clear_compile_cache() / 2**20:.1f} MiB of compiled programs")
         return 0
     state = "on" if compile_cache_enabled() else "off (SPECJAX_COMPILE_CACHE=0)"
-    print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}, the server's whole "
-          f"executables in {executables_dir()}; {cache_bytes() / 2**20:.1f} MiB kept in all")
+    print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}; "
+          f"{cache_bytes() / 2**20:.1f} MiB kept in all")
     return 0
 
 
