@@ -764,7 +764,6 @@ def test_compiling_the_rest_while_idle_waits_out_every_request(target, drafter, 
     policy is compiled and timed. The first background compile is held until a burst is submitted,
     so its gate meets a busy server."""
     import threading
-    import time
 
     from specjax.serve.programs import Programs
 

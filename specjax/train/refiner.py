@@ -187,9 +187,11 @@ def train_refiner(target_params, target_config: TransformerConfig, drafter, refi
         estimate = jax.jit(lambda p, b: estimate_refined_tau(p, refiner_config, drafter_params, dcfg, target_params,
                                                              target_config, b, draft_vocab, label_index))
 
-        def eval_fn(p):
+        def heldout_estimate(p):
             results = [estimate(p, b) for b in eval_batches]
             return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+
+        eval_fn = heldout_estimate
 
     trained, _ = train(loss_fn, params, batch_fn, out_dir, optimizer, loop, eval_fn=eval_fn)
     return trained
