@@ -514,7 +514,7 @@ def _serve_config(args, policies: tuple[str, ...] | None = None):
                        snapshot_every=args.snapshot_every, rapid=RapidConfig(args.rapid_drafts, args.rapid_eta),
                        retrieval=_retrieval_config(args), drafting_length=args.drafting_length,
                        preemption=args.preemption, ngram=_ngram_config(args),
-                       compile_rest=args.compile_rest.replace("-", "_"))
+                       compile_rest=args.compile_rest.replace("-", "_"), max_request_bytes=args.max_request_bytes)
 
 
 def cmd_serve(args) -> int:
@@ -1142,6 +1142,9 @@ def _add_serve_command(sub) -> None:
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")
     srv.add_argument("--steps-per-sync", type=int, default=4, help="verify steps per device call between host syncs")
     srv.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the server answers 429")
+    srv.add_argument("--max-request-bytes", type=int, default=None,
+                     help="most bytes of a request body, refused with 413 before it is read (default: 64 per "
+                          "--context-length position, at least 1 MiB)")
     srv.add_argument("--insert-rows", type=int, default=4, help="waiting requests prefilled together per device call")
     srv.add_argument("--prefill-chunk", type=int, default=256,
                      help="prefill longer prompts this many tokens per turn, between other slots' steps (0 = whole)")

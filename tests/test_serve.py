@@ -609,6 +609,43 @@ def test_text_parts_n_choices_and_batched_prompts_as_the_openai_client_sends_the
     assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
+def test_the_openai_client_gets_the_refusals_as_errors(server):
+    """What the server refuses reaches the official client as its own errors: log-probabilities and an
+    unknown role as 400 (BadRequestError), a body over the byte limit as 413 before it is read."""
+    import openai
+
+    from specjax.serve.http import body_limit
+
+    url, scheduler, _ = server
+    client = _client(url)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
+        client.completions.create(model="tiny", prompt="w1 w2", max_tokens=4, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="role must be one of"):
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "robot", "content": "w1"}])
+    limit = body_limit(scheduler.config.context_length)
+    with pytest.raises(openai.APIStatusError, match="reads at most") as refused:
+        client.completions.create(model="tiny", prompt="w1 " * (limit // 3 + 10), max_tokens=4)
+    assert refused.value.status_code == 413
+
+
+def test_the_body_limit_is_a_setting(target):
+    """--max-request-bytes (ServeConfig.max_request_bytes) replaces the limit derived from the context."""
+    from fastapi.testclient import TestClient
+
+    from specjax.errors import SpecjaxError
+    from specjax.serve.http import create_app
+
+    with pytest.raises(SpecjaxError, match="max_request_bytes"):
+        _config("ar", max_request_bytes=0)
+    scheduler = Scheduler(target, None, _config("ar", max_request_bytes=200), compile_now=False)
+    try:
+        response = TestClient(create_app(scheduler)).post("/v1/completions",
+                                                          json={"prompt": "w1 " * 100, "max_tokens": 4})
+        assert response.status_code == 413 and "reads at most 200" in response.json()["error"]["message"]
+    finally:
+        scheduler.shutdown(drain=False)
+
+
 def test_a_full_queue_answers_429_with_retry_after(target, monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -84,6 +84,9 @@ class ServeConfig:
     drafting prompt (the chunks retrieved from its document and its question, `Request.drafting_prompt`),
     its generated tokens and one step's writes. Allocated per slot beside the full context. None:
     the retrieval budget + max_new_tokens + 256 (the question and the chat template)."""
+    max_request_bytes: int | None = None
+    """Most bytes an HTTP request body may hold, refused (413) before it is read; None: 64 per
+    context position, at least 1 MiB (`serve.http.body_limit`)."""
 
     @property
     def adaptive(self) -> bool:
@@ -103,6 +106,8 @@ class ServeConfig:
                        insert_rows=self.insert_rows)
         if self.drafting_length is not None:
             check_at_least(1, drafting_length=self.drafting_length)
+        if self.max_request_bytes is not None:
+            check_at_least(1, max_request_bytes=self.max_request_bytes)
         if self.compile_rest not in ("before_ready", "while_idle"):
             raise SpecjaxError(f"compile_rest must be 'before_ready' or 'while_idle', got {self.compile_rest!r}")
         if self.preemption not in ("park", "recompute"):

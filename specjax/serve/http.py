@@ -340,14 +340,15 @@ def _not_ready(startup: Startup) -> JSONResponse:
                   headers={"Retry-After": "5"})
 
 
-async def _read_json_body(http: HttpRequest, context_length: int):
-    """(the parsed body, None), or (None, an error response): a body over the byte limit is refused
-    by its declared length before it is read, and by its length once read."""
-    limit = body_limit(context_length)
+async def _read_json_body(http: HttpRequest, config):
+    """(the parsed body, None), or (None, an error response): a body over the byte limit (the
+    ServeConfig's max_request_bytes, or `body_limit`) is refused by its declared length before it is
+    read, and by its length once read."""
+    limit = config.max_request_bytes or body_limit(config.context_length)
     declared = http.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         return None, _error(413, f"the request body has {int(declared):,} bytes; this server reads at most {limit:,} "
-                                 f"(64 per position of its {context_length}-token context)")
+                                 f"(--max-request-bytes)")
     raw = await http.body()
     if len(raw) > limit:
         return None, _error(413, f"the request body has {len(raw):,} bytes; this server reads at most {limit:,}")
@@ -362,7 +363,7 @@ async def _complete(startup: Startup, http: HttpRequest, chat: bool):
     scheduler = startup.scheduler
     if scheduler is None:
         return _not_ready(startup)
-    body, refused = await _read_json_body(http, scheduler.config.context_length)
+    body, refused = await _read_json_body(http, scheduler.config)
     if refused is not None:
         return refused
     handles = []
