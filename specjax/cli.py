@@ -545,9 +545,10 @@ def cmd_serve(args) -> int:
         scheduler = build()
         scheduler.wait_compiled()
         scheduler.shutdown(drain=False)
-        from specjax.compile_cache import compile_cache_dir, compile_cache_enabled
+        from specjax.compile_cache import compile_cache_dir, compile_cache_enabled, executables_dir
 
-        where = compile_cache_dir() if compile_cache_enabled() else "nowhere (SPECJAX_COMPILE_CACHE=0)"
+        where = ("nowhere (SPECJAX_COMPILE_CACHE=0)" if not compile_cache_enabled()
+                 else compile_cache_dir() if args.mesh else executables_dir())
         print(f"[specjax] compiled the server's programs in {scheduler.compile_seconds:.1f} s; kept in {where}",
               file=sys.stderr, flush=True)
         return 0
@@ -739,14 +740,15 @@ def cmd_train_lm(args) -> int:
 
 def cmd_cache(args) -> int:
     """What the persistent compilation cache holds, or empty it."""
-    from specjax.compile_cache import cache_bytes, clear_compile_cache, compile_cache_dir, compile_cache_enabled
+    from specjax.compile_cache import (cache_bytes, clear_compile_cache, compile_cache_dir, compile_cache_enabled,
+                                       executables_dir)
 
     if args.action == "clear":
         print(f"removed {clear_compile_cache() / 2**20:.1f} MiB of compiled programs")
         return 0
     state = "on" if compile_cache_enabled() else "off (SPECJAX_COMPILE_CACHE=0)"
-    print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}; "
-          f"{cache_bytes() / 2**20:.1f} MiB kept in all")
+    print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}, the server's whole "
+          f"executables in {executables_dir()}; {cache_bytes() / 2**20:.1f} MiB kept in all")
     return 0
 
 
@@ -1360,7 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from specjax.compile_cache import enable_compile_cache
 
-        enable_compile_cache()
+        # The server keeps its programs whole (a warm start neither traces nor compiles them); that
+        # needs jax's own cache off in its process. A mesh server's programs use jax's cache.
+        enable_compile_cache(whole_executables=args.func is cmd_serve and not args.mesh)
         quiet = False
         if hasattr(args, "mesh"):
             _start_processes(args)

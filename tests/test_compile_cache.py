@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from specjax import compile_cache
 from specjax.compile_cache import cpu_fingerprint
 
 from conftest import build_tiny_hf
@@ -18,12 +19,16 @@ from conftest import build_tiny_hf
 _COUNTING = """
 import json, sys
 import jax.monitoring
-counts = {"hits": 0, "misses": 0}
+counts = {"hits": 0, "misses": 0, "stored_hits": 0, "stored_misses": 0}
 def count(event, **_):
     if event == "/jax/compilation_cache/cache_hits":
         counts["hits"] += 1
     elif event == "/jax/compilation_cache/cache_misses":
         counts["misses"] += 1
+    elif event == "/specjax/executables/hits":
+        counts["stored_hits"] += 1
+    elif event == "/specjax/executables/misses":
+        counts["stored_misses"] += 1
 jax.monitoring.register_event_listener(count)
 from specjax.cli import main
 status = main(sys.argv[1:])
@@ -50,7 +55,7 @@ def test_a_second_process_loads_the_compiled_programs_from_the_cache(tmp_path):
     second = _run(argv, tmp_path)
     assert second["hits"] >= 1 and second["misses"] == 0, second
     off = _run(argv, tmp_path, enabled="0")
-    assert off == {"hits": 0, "misses": 0}
+    assert off == {"hits": 0, "misses": 0, "stored_hits": 0, "stored_misses": 0}
     kept = list((tmp_path / "xla").iterdir())
     assert len(kept) == 1 and kept[0].name.endswith(cpu_fingerprint())
     env = dict(os.environ, SPECJAX_CACHE=str(tmp_path))
@@ -78,5 +83,116 @@ def test_serve_compile_only_warms_the_cache_for_the_next_start(tmp_path):
             "--max-new-tokens", "16", "--compile-only"]
     first = _run(argv, tmp_path)
     second = _run(argv, tmp_path)
-    assert first["misses"] >= 3 and first["hits"] == 0
-    assert second["misses"] == 0 and second["hits"] >= 3, (first, second)  # nothing compiled anew
+    assert first["stored_misses"] >= 3 and first["stored_hits"] == 0
+    # The server's programs come whole from the executable store: neither traced nor compiled anew.
+    assert second["stored_hits"] == first["stored_misses"] and second["stored_misses"] == 0, (first, second)
+    # jax's own cache is off in the server's process (the module's docstring says why).
+    assert first["hits"] == first["misses"] == second["hits"] == second["misses"] == 0, (first, second)
+
+
+_EVENTS: list[str] = []
+_LISTENING: list[bool] = []
+
+
+def _record(event, **_):
+    _EVENTS.append(event)
+
+
+def test_a_stored_executable_is_loaded_whole_and_keyed_by_what_changes_it(tmp_path, monkeypatch):
+    """compile_or_load compiles once, then loads the executable without tracing (counted as a
+    store hit) and computes the same, donation included; other static arguments, argument shapes or
+    specjax source are misses; a damaged file is compiled anew; SPECJAX_COMPILE_CACHE=0 stores nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    @struct.dataclass
+    class State:
+        x: jax.Array
+        n: jax.Array
+
+    def advance(params, state, scale):
+        return state.replace(x=jnp.tanh(state.x @ params["w"]) * scale, n=state.n + 1)
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "1")
+    if not _LISTENING:  # jax keeps listeners for the process
+        jax.monitoring.register_event_listener(_record)
+        _LISTENING.append(True)
+    jitted = lambda scale: jax.jit(lambda p, s: advance(p, s, scale), donate_argnums=1)  # noqa: E731
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)), jnp.float32)}
+    state = lambda: State(jnp.ones((4, 16)), jnp.zeros((4,), jnp.int32))  # noqa: E731
+    shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state())
+
+    def run(scale, static=None, args=(params, shape)):
+        _EVENTS.clear()
+        compiled = compile_cache.compile_or_load(jitted(scale), "advance", static or f"scale={scale}", args,
+                                                 out_like=shape)
+        stored = [e.rsplit("/", 1)[-1] for e in _EVENTS if e.startswith("/specjax/executables/")]
+        return compiled, stored
+
+    first, events = run(2.0)
+    assert events == ["misses"]
+    second, events = run(2.0)
+    assert events == ["hits"]
+    want = jax.jit(lambda p, s: advance(p, s, 2.0))(params, state())
+    got = second(params, state())
+    assert np.array_equal(got.x, want.x) and got.n.tolist() == [1] * 4
+    assert np.array_equal(first(params, state()).x, want.x)
+    assert run(3.0)[1] == ["misses"]  # other static arguments
+    wider = jax.tree.map(lambda a: jax.ShapeDtypeStruct((8, *a.shape[1:]), a.dtype), shape)
+    assert run(2.0, args=(params, wider))[1] == ["misses"]  # other shapes
+    monkeypatch.setattr(compile_cache, "source_digest", lambda: "other source")
+    assert run(2.0)[1] == ["misses"]  # other specjax code
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "1")
+    [stored] = [p for p in compile_cache.executables_dir().glob("*.bin")
+                if p.name.startswith(compile_cache.executable_key("advance", "scale=2.0", (params, shape)))]
+    stored.write_bytes(b"not an executable")
+    again, events = run(2.0)
+    assert events == ["misses"] and np.array_equal(again(params, state()).x, want.x)
+    assert run(2.0)[1] == ["hits"]  # rewritten whole
+    kept = len(list(tmp_path.rglob("*.bin")))
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "0")
+    assert run(5.0)[1] == [] and len(list(tmp_path.rglob("*.bin"))) == kept
+    assert compile_cache.cache_bytes() > 0
+    compile_cache.clear_compile_cache()
+    assert compile_cache.cache_bytes() == 0 and not (tmp_path / "executables").exists()
+
+
+_STORE_ONE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from specjax import compile_cache
+compile_cache.enable_compile_cache(whole_executables=sys.argv[1] == "whole")
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event == compile_cache.EXECUTABLE_HIT_EVENT))
+def step(x, w):
+    for layer in range(4):
+        x = jax.nn.softmax(jnp.tanh(x @ w[layer]) * x.mean(-1, keepdims=True), axis=-1) + x
+    return x
+args = (jnp.ones((8, 64)), jnp.asarray(np.random.default_rng(0).normal(size=(4, 64, 64)) * 0.1, jnp.float32))
+compiled = compile_cache.compile_or_load(jax.jit(step), "step", "", args, out_like=args[0])
+assert np.array_equal(np.asarray(compiled(*args)), np.asarray(jax.jit(step)(*args)))
+print("STORED", len(list(compile_cache.executables_dir().glob("*.bin"))), "LOADED", sum(hits))
+"""
+
+
+def test_only_a_process_without_jax_cache_stores_executables_and_they_run_in_the_next(tmp_path):
+    """On XLA:CPU an executable that jax loaded from its own cache fails when stored and loaded in the
+    next process: with jax's cache on (twice, so the second process hits it) nothing is stored; with
+    it off the executable is stored, and a third process loads it and computes the same."""
+    env = dict(os.environ, SPECJAX_CACHE=str(tmp_path), SPECJAX_COMPILE_CACHE="1")
+
+    def stored(mode):
+        done = subprocess.run([sys.executable, "-c", _STORE_ONE, mode], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        files, loaded = done.stdout.split("STORED ")[1].split(" LOADED ")
+        return int(files), int(loaded)
+
+    assert stored("jax") == (0, 0) and stored("jax") == (0, 0)
+    assert stored("whole") == (1, 0)
+    assert stored("whole") == (1, 1)  # loaded whole, run and compared

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from specjax.compile_cache import compile_or_load
 from specjax.decode import slots as slot_api
 from specjax.serve.shapes import ServingShapes
 from specjax.sharding import build_state, shard_state
@@ -106,6 +107,14 @@ class Programs:
             _JITTED[key] = jax.jit(partial(_FUNCTIONS[kind], **static), donate_argnums=_DONATED.get(kind, 1), **pinned)
         return _JITTED[key]
 
+    def _compiled(self, kind: str, args: tuple, **static):
+        """The program compiled for args, or on one device loaded from the executable store (a warm
+        start then neither traces nor compiles it); every program here returns the slot state."""
+        jitted = self.program(kind, **static)
+        if self.mesh is not None:  # a layout over several devices: compiled (jax's cache still applies)
+            return jitted.lower(*args).compile()
+        return compile_or_load(jitted, kind, repr(sorted(static.items())), args, out_like=self.state_shape)
+
     def step(self, policy: str, attend: int, rows: int):
         """(parts, state) -> state: `steps_per_sync` steps of `policy` over the first `rows` slots."""
         return self.compiled.get(("step", policy, attend, rows)) or self.program(
@@ -132,9 +141,9 @@ class Programs:
             for rows in shapes.row_buckets:
                 if before_each is not None:
                     before_each()
-                self.compiled["step", policy, attend, rows] = self.program(
-                    "step", method=policy, statics=self.statics, attend_slots=attend, rows=rows,
-                ).lower(self.parts, self.state_shape).compile()
+                self.compiled["step", policy, attend, rows] = self._compiled(
+                    "step", (self.parts, self.state_shape), method=policy, statics=self.statics,
+                    attend_slots=attend, rows=rows)
                 progress.done(f"{policy} step, attention {attend}, {rows} rows")
 
     def compile_inserts(self, progress: CompileProgress) -> None:
@@ -144,14 +153,14 @@ class Programs:
             for bucket in self.shapes.prompt_buckets:
                 request = self.insert_request([slots] * rows, np.zeros((rows, bucket)), [1] * rows, [1] * rows,
                                               [0] * rows, [0.0] * rows, [0] * rows, [1.0] * rows, final=[True] * rows)
-                self.compiled["insert", bucket, rows] = self.program("insert", statics=self.statics).lower(
-                    self.parts, self.state_shape, request).compile()
+                self.compiled["insert", bucket, rows] = self._compiled(
+                    "insert", (self.parts, self.state_shape, request), statics=self.statics)
                 progress.done(f"insert, prompts up to {bucket} tokens, {rows} at once")
         chunk = self.shapes.prefill_chunk
         if chunk:
             request = self.insert_request([slots], np.zeros((1, chunk)), [1], [1], [0], [0.0], [0], [1.0], offsets=[0])
-            self.compiled["extend",] = self.program("insert", statics=self.statics).lower(
-                self.parts, self.state_shape, request).compile()
+            self.compiled["extend",] = self._compiled("insert", (self.parts, self.state_shape, request),
+                                                      statics=self.statics)
             progress.done(f"chunked prefill, {chunk} tokens")
 
     def inserts_to_compile(self) -> int:
@@ -166,9 +175,9 @@ class Programs:
             for bucket in self.shapes.drafting_buckets:
                 if stopping():
                     return
-                fill = self.program("refresh_drafting", statics=self.statics)
                 arguments = self.drafting_fill_arguments([slots] * rows, [(0,)] * rows, bucket)
-                self.compiled["drafting", bucket, rows] = fill.lower(self.parts, self.state_shape, *arguments).compile()
+                self.compiled["drafting", bucket, rows] = self._compiled(
+                    "refresh_drafting", (self.parts, self.state_shape, *arguments), statics=self.statics)
         print(f"[specjax] drafting-context fills ready: {len(self.shapes.drafting_buckets)} drafting buckets x "
               f"{len(self.shapes.insert_sizes)} insert sizes in {time.perf_counter() - started:.1f} s",
               file=sys.stderr, flush=True)
