@@ -302,7 +302,7 @@ def test_stale_policies_are_probed_and_pins_win():
     controller = _controller(probe_every=5)
     _observe_chain(controller, 0.8)
     probes = []
-    for _ in range(12):
+    for _ in range(24):
         decision = controller.decide(1, 128, [None])
         probes.append(decision.reason)
         _observe_chain(controller, 0.8, policy=decision.policy) if decision.policy != "ar" else \
@@ -593,8 +593,30 @@ def test_probes_back_off_while_a_load_holds_and_resume_when_it_changes():
     first, later = run(100, 32)[:50], run(200, 32)
     assert controller.current == "ar"
     # Probes of the losing chains thin out: at most one per policy per 64 calls once backed off.
-    assert later.count("probe") < first.count("probe") and later.count("probe") <= 2 * (200 // 64 + 1)
+    assert later.count("probe") / len(later) < first.count("probe") / len(first)
+    assert later.count("probe") <= 2 * (200 // 64 + 1)
     assert run(10, 1).count("probe") >= 1  # batch one: a new load, probed again at once
+
+
+def test_remembered_acceptance_spares_a_fresh_server_its_opening_probes():
+    """A fresh controller probes each policy it knows nothing of at once; one that starts from the
+    last run's acceptance lets every policy wait its interval, so a load where AR wins pays for no
+    probe in its first probe_every calls."""
+    def opening(priors):
+        controller = _controller(probe_every=16)
+        if priors:
+            assert controller.load_priors({"block": BLOCK, "acceptance": [0.3] * (BLOCK - 1)})
+        controller.current = "ar"
+        reasons = []
+        for _ in range(15):
+            decision = controller.decide(32, 128, [None] * 32)
+            reasons.append(decision.reason)
+            controller.observe_call(decision.policy, 32, 128, FULL_BATCH[decision.policy], 320, 320,
+                                    np.zeros(BLOCK - 1), np.zeros(BLOCK - 1))
+        return reasons
+
+    assert opening(priors=False).count("probe") == 2  # chain:3 and chain, each once
+    assert opening(priors=True).count("probe") == 0
 
 
 def test_a_probe_replaces_a_stale_cost_so_one_bad_call_cannot_lock_a_policy_out():
