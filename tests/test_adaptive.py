@@ -820,6 +820,38 @@ def test_compiling_the_rest_while_idle_waits_out_every_request(target, drafter, 
         scheduler.shutdown(drain=False)
 
 
+def test_shutting_down_stops_the_background_compiler_between_programs(target, drafter, monkeypatch):
+    """A server shut down while its other policies compile returns only once the background compiler
+    has left, and that compiler starts no program after the shut-down: a process that exits with a
+    thread inside XLA aborts."""
+    import threading
+
+    from specjax.serve.programs import Programs
+
+    started, release, compiled = threading.Event(), threading.Event(), []
+    original = Programs.compile_steps
+
+    def held(self, policy, progress=None, before_each=None):
+        def gate():
+            if before_each is not None:  # the background compiler, held at its first program
+                started.set()
+                release.wait(timeout=600)
+                before_each()
+                compiled.append(policy)
+        return original(self, policy, progress, gate)
+
+    monkeypatch.setattr(Programs, "compile_steps", held)
+    config = ServeConfig(method="adaptive", slots=2, context_length=64, max_new_tokens=8, prompt_bucket=16,
+                         controller=ControllerConfig(policies=("ar", "chain"), remember=False),
+                         compile_rest="while_idle")
+    scheduler = Scheduler(target, drafter, config, latency_cache=None)
+    assert started.wait(timeout=600)
+    threading.Timer(0.5, release.set).start()  # released only once shut-down has begun
+    scheduler.shutdown(drain=False)
+    assert not scheduler.warmup._compiler.is_alive()
+    assert compiled == [] and len(scheduler.controller.ready) == 1
+
+
 def test_compile_rest_is_checked():
     with pytest.raises(SpecjaxError, match="compile_rest"):
         ServeConfig(compile_rest="later")

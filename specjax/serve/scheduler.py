@@ -284,6 +284,7 @@ class Scheduler:
         self._stopping = True
         self._wake()
         self._thread.join(timeout=60)
+        self.warmup.wait_compiled(timeout=120)  # the background compiler leaves after its current program
         if self._priors_path is not None:
             self.controller.save_priors_file(self._priors_path)
         self.metrics.close()

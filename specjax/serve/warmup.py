@@ -21,6 +21,10 @@ from specjax.serve.reporting import StepReporter
 log = logging.getLogger("specjax.serve")
 
 
+class _Stopped(Exception):
+    """The server is shutting down: the background compiler leaves between two programs."""
+
+
 class Warmup:
     """Compiles and times a server's programs; `compile` at start-up, `wait_compiled` for readiness."""
 
@@ -42,15 +46,17 @@ class Warmup:
         self._compiler: threading.Thread | None = None
 
     def make_ready(self, policy: str, compile_steps: bool = True, progress: CompileProgress | None = None,
-                   while_idle: bool = False, costs: dict[int, float] | None = None) -> None:
+                   while_idle: bool = False, costs: dict[int, float] | None = None, in_background: bool = False) -> None:
         """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
         attention length, with every row live), and hand both to the controller. while_idle: each
         compile and the timing wait until no request is running or waiting. costs: the last run's
-        timings on this machine, used instead of timing now (the rest are timed again later)."""
+        timings on this machine, used instead of timing now (the rest are timed again later).
+        in_background: on the background compiler, which leaves between programs at shut-down."""
+        between = (lambda: self._between_programs(while_idle)) if in_background else None
         if compile_steps:
-            self.programs.compile_steps(policy, progress, self._wait_for_idle if while_idle else None)
-        if while_idle:
-            self._wait_for_idle()
+            self.programs.compile_steps(policy, progress, between)
+        if between is not None:
+            between()
         if len(self.policies) == 1:  # a fixed method: nothing to choose, so nothing to time
             self.controller.mark_ready(policy, {})
             return
@@ -62,6 +68,14 @@ class Warmup:
         self.controller.mark_ready(policy, costs)
         log.info("policy %s ready: %s s per call by live-row bucket", policy,
                  ", ".join(f"{r}: {c:.3f}" for r, c in costs.items()))
+
+    def _between_programs(self, while_idle: bool) -> None:
+        """Where the background compiler may pause (for idleness) or leave (at shut-down): a process
+        that exits while a thread is inside XLA aborts ('FATAL: exception not rethrown')."""
+        if while_idle:
+            self._wait_for_idle()
+        if self._stopping():
+            raise _Stopped
 
     def _wait_for_idle(self) -> None:
         """Return once the server has no request running or waiting (or is stopping)."""
@@ -75,18 +89,19 @@ class Warmup:
         started = time.perf_counter()
         while_idle = self.config.compile_rest == "while_idle"
         for policy in policies:
-            if self._stopping():
-                return
             try:
-                self.make_ready(policy, while_idle=while_idle)
+                self.make_ready(policy, while_idle=while_idle, in_background=True)
+            except _Stopped:
+                return
             except Exception:  # noqa: BLE001 - a policy that fails to compile is left out, not fatal
                 log.exception("policy %s failed to compile; the controller will not use it", policy)
         # Timings taken while other policies compiled shared the cores with XLA: time every policy
         # again now, with only serving running (which the device lock holds off meanwhile).
-        for policy in sorted(self.controller.ready):
-            if self._stopping():
-                return
-            self.make_ready(policy, compile_steps=False, while_idle=while_idle)
+        try:
+            for policy in sorted(self.controller.ready):
+                self.make_ready(policy, compile_steps=False, while_idle=while_idle, in_background=True)
+        except _Stopped:
+            return
         # The first requests arrive one at a time: start on what is fastest for one live row.
         start = self.controller.choose_start(self.shapes.row_buckets[0], self.shapes.attend_buckets[0])
         print(f"[specjax] adaptive: {len(self.controller.ready)} policies ready "
@@ -99,12 +114,29 @@ class Warmup:
         """The background compiler: drafting-context fills first (the next requests' prefills need
         them), then the adaptive controller's other policies."""
         try:
+            self._measure_phases()
+        except _Stopped:
+            return
+        try:
             if self.shapes.drafting_buckets:
                 self.programs.compile_drafting_fills(self._stopping)
         except Exception:  # noqa: BLE001 - prefills compile a missing fill on first use instead
             log.exception("compiling the drafting-context fills failed; prefills will compile them on first use")
         if rest:
             self._compile_rest(rest)
+
+    def _measure_phases(self) -> None:
+        """The chains' split of a step into drafting, refining and verifying, for the monitor. It
+        compiles small programs of its own (seconds on a warm start, where the server's programs only
+        load), so it runs on the background compiler, while idle where the rest compile so."""
+        chains = [slot_api.slot_method(p) for p in self.policies]
+        chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
+        if not chains:  # trees split by their latency model
+            return
+        self._between_programs(self.config.compile_rest == "while_idle")
+        with self._device_lock:
+            self.reporter.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics,
+                                                                         any(m.needs_refiner for m in chains))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compiler is done (True), or timeout seconds pass (False)."""
@@ -127,11 +159,6 @@ class Warmup:
         # every policy is timed again once the rest are compiled.
         self.make_ready(start, progress=progress, costs=self.controller.cached_costs(start, shapes.row_buckets))
         self.programs.compile_inserts(progress)
-        chains = [slot_api.slot_method(p) for p in self.policies]
-        chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
-        if chains:  # trees split by their latency model
-            self.reporter.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics,
-                                                                         any(m.needs_refiner for m in chains))
         self.compile_seconds = time.perf_counter() - started
         print(f"[specjax] serving {self.config.method} on {self.config.slots} slots: compiled the {start} step "
               f"for {len(shapes.attend_buckets)} attention lengths ({', '.join(map(str, shapes.attend_buckets))}) and "
