@@ -744,7 +744,7 @@ def cmd_cache(args) -> int:
                                        executables_dir)
 
     if args.action == "clear":
-        print(f"removed {clear_compile_cache() / 2**20:.1f} MiB of compiled programs")
+        print(f"removed {clear_compile_cache() / 2**20:.1f} MiB of compiled programs and converted models")
         return 0
     state = "on" if compile_cache_enabled() else "off (SPECJAX_COMPILE_CACHE=0)"
     print(f"compilation cache {state}: this machine's programs in {compile_cache_dir()}, the server's whole "

@@ -96,8 +96,9 @@ def enable_compile_cache(whole_executables: bool = False) -> Path | None:
     return folder
 
 
-CACHE_FOLDERS = ("xla", "executables")
-"""jax's persistent cache and specjax's store of whole executables, under $SPECJAX_CACHE."""
+CACHE_FOLDERS = ("xla", "executables", "converted")
+"""jax's persistent cache, specjax's store of whole executables and the models converted from GGUF
+(io/gguf.py), under $SPECJAX_CACHE: what `specjax cache clear` empties."""
 
 
 def cache_bytes(root: Path | None = None) -> int:

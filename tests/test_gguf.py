@@ -139,3 +139,36 @@ def test_truncated_gguf_is_a_clear_error(tmp_path):
     path.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(SpecjaxError, match="truncated"):
         load_gguf_model(path)
+
+
+def test_a_converted_gguf_is_kept_and_loads_the_same(tmp_path, monkeypatch):
+    """The second load of a GGUF reads the converted copy (not the file) and gives the same config,
+    weights and tokenizer; a damaged copy is converted again; a changed file is a new copy; at most
+    KEEP_CONVERTED copies are kept."""
+    from specjax.io import gguf as gguf_io
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, build_tiny_hf("llama", seed=3), lambda name: gguf.GGMLQuantizationType.Q8_0)
+    config, params, tokenizer = load_gguf_model(path)
+    [kept] = (tmp_path / "cache" / "converted").iterdir()
+
+    def unreadable(*args):
+        raise AssertionError("the GGUF was read again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_io, "_open", unreadable)
+        again, params_again, tokenizer_again = load_gguf_model(path)
+    assert again == config and tokenizer_again.encode_chat("abc") == tokenizer.encode_chat("abc")
+    from flax.traverse_util import flatten_dict
+
+    weights, weights_again = flatten_dict(params, sep="/"), flatten_dict(params_again, sep="/")
+    assert weights.keys() == weights_again.keys()
+    assert all(np.array_equal(weights[k], weights_again[k]) for k in weights)
+    (kept / "params.npz").write_bytes(b"damaged")
+    assert np.array_equal(load_gguf_model(path)[1]["embed_tokens"]["embedding"], params["embed_tokens"]["embedding"])
+    for seed in range(gguf_io.KEEP_CONVERTED + 1):  # other files: new copies, the oldest dropped
+        write_tiny_gguf(tmp_path / f"other{seed}.gguf", build_tiny_hf("llama", seed=seed + 10),
+                        lambda name: gguf.GGMLQuantizationType.F32)
+        load_gguf_model(tmp_path / f"other{seed}.gguf")
+    assert len(list((tmp_path / "cache" / "converted").iterdir())) == gguf_io.KEEP_CONVERTED
