@@ -140,7 +140,8 @@ class Scheduler:
             self.warmup.compile()
         else:  # jit compiles on first use; the controller still needs every policy's measured cost
             for policy in self.policies:
-                self.warmup.make_ready(policy, compile_steps=False)
+                self.warmup.make_ready(policy, compile_steps=False,
+                                       costs=self.controller.cached_costs(policy, self.shapes.row_buckets))
         self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
         self._thread.start()
 

@@ -44,13 +44,15 @@ class Warmup:
         self.compile_seconds = 0.0
         """Seconds the start-up compile took (the start policy's steps and every insert)."""
         self._compiler: threading.Thread | None = None
+        self._timed: set[str] = set()
+        """Policies timed by this start (the others took the last run's costs on this machine)."""
 
     def make_ready(self, policy: str, compile_steps: bool = True, progress: CompileProgress | None = None,
                    while_idle: bool = False, costs: dict[int, float] | None = None, in_background: bool = False) -> None:
         """Compile the policy's steps, time one call of it per live-row bucket (at the shortest
         attention length, with every row live), and hand both to the controller. while_idle: each
         compile and the timing wait until no request is running or waiting. costs: the last run's
-        timings on this machine, used instead of timing now (the rest are timed again later).
+        timings on this machine, used instead of timing now.
         in_background: on the background compiler, which leaves between programs at shut-down."""
         between = (lambda: self._between_programs(while_idle)) if in_background else None
         if compile_steps:
@@ -65,6 +67,7 @@ class Warmup:
             return
         with self._device_lock:
             costs = self.programs.time_policy(policy, self.config.max_new_tokens, first_runs=compile_steps)
+        self._timed.add(policy)
         self.controller.mark_ready(policy, costs)
         log.info("policy %s ready: %s s per call by live-row bucket", policy,
                  ", ".join(f"{r}: {c:.3f}" for r, c in costs.items()))
@@ -89,16 +92,17 @@ class Warmup:
         started = time.perf_counter()
         while_idle = self.config.compile_rest == "while_idle"
         for policy in policies:
-            try:
-                self.make_ready(policy, while_idle=while_idle, in_background=True)
+            try:  # the last run's costs where this machine has them: a warm start then only loads
+                self.make_ready(policy, while_idle=while_idle, in_background=True,
+                                costs=self.controller.cached_costs(policy, self.shapes.row_buckets))
             except _Stopped:
                 return
             except Exception:  # noqa: BLE001 - a policy that fails to compile is left out, not fatal
                 log.exception("policy %s failed to compile; the controller will not use it", policy)
-        # Timings taken while other policies compiled shared the cores with XLA: time every policy
+        # Timings taken while other policies compiled shared the cores with XLA: time those policies
         # again now, with only serving running (which the device lock holds off meanwhile).
         try:
-            for policy in sorted(self.controller.ready):
+            for policy in sorted(self._timed & self.controller.ready):
                 self.make_ready(policy, compile_steps=False, while_idle=while_idle, in_background=True)
         except _Stopped:
             return
@@ -155,8 +159,10 @@ class Warmup:
         shapes, start = self.shapes, self.controller.current
         progress = CompileProgress(len(shapes.attend_buckets) * len(shapes.row_buckets)
                                    + self.programs.inserts_to_compile(), "the server's programs")
-        # The last run's timings of the start policy, where the cache has them: ready sooner, and
-        # every policy is timed again once the rest are compiled.
+        # The last run's timings of each policy, where this machine's cache has them: a warm start
+        # loads its programs and times nothing (the controller's own per-call measurements and its
+        # probes correct the costs as it serves); a policy timed now is timed again once the rest
+        # are compiled.
         self.make_ready(start, progress=progress, costs=self.controller.cached_costs(start, shapes.row_buckets))
         self.programs.compile_inserts(progress)
         self.compile_seconds = time.perf_counter() - started
