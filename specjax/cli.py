@@ -557,8 +557,8 @@ def cmd_serve(args) -> int:
 
 def _serve_http(args, model, build) -> int:
     """Listen at once (/health answers), build and compile the scheduler on a thread (/ready answers
-    200 once every policy is compiled, or with --compile-rest while-idle once the start policy is, the
-    rest compiling only while the server is idle), serve until SIGINT/SIGTERM, then drain."""
+    200 once every policy is compiled, or with --compile-rest while-idle (auto's choice on a warm start)
+    once the start policy is, the rest compiling only while the server is idle), serve until SIGINT/SIGTERM, then drain."""
     import signal
 
     import uvicorn
@@ -567,7 +567,7 @@ def _serve_http(args, model, build) -> int:
 
     def ready_scheduler():
         scheduler = build()
-        if scheduler.config.compile_rest == "before_ready":
+        if scheduler.compile_rest == "before_ready":
             scheduler.wait_compiled()
         print(f"[specjax] ready: {time.monotonic() - startup.started:.1f} s after listening", file=sys.stderr,
               flush=True)
@@ -1136,9 +1136,10 @@ def _add_serve_command(sub) -> None:
     srv.add_argument("--preemption", choices=["park", "recompute"], default="park",
                      help="a request preempted under --kv-budget-mib: park its slot's state in host memory and write "
                           "it back (exact at any precision), or recompute its tokens so far (no host memory)")
-    srv.add_argument("--compile-rest", choices=["before-ready", "while-idle"], default="before-ready",
+    srv.add_argument("--compile-rest", choices=["auto", "before-ready", "while-idle"], default="auto",
                      help="adaptive: compile the policies besides the start policy before /ready answers 200, or "
-                          "after, one program at a time and only while no request is running or waiting")
+                          "after, one program at a time and only while no request is running or waiting; auto: "
+                          "after where the last run's measured costs chose the start policy, else before")
     srv.add_argument("--slots", type=int, default=8, help="requests decoding at once")
     srv.add_argument("--context-length", type=int, default=1024, help="prompt + completion tokens per request")
     srv.add_argument("--max-new-tokens", type=int, default=512, help="most tokens a request may ask for")

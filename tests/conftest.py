@@ -26,6 +26,28 @@ import pytest  # noqa: E402
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Seconds each test file's default-suite tests took on the 2-core EPYC (AVX2), summed from
+# `python -m pytest -m "not slow" -n auto --dist loadfile --durations 0 tests`, 2026-12-07 (535 tests,
+# 22:06 on two workers). Only the order matters: stale figures cost balance, never correctness.
+SUITE_SECONDS: dict[str, float] = {
+    "test_serve.py": 317, "test_adaptive.py": 221, "test_rapid.py": 203, "test_refiner.py": 177, "test_api.py": 177,
+    "test_speculative.py": 168, "test_tree.py": 145, "test_train.py": 134, "test_sliding_window.py": 118,
+    "test_precision.py": 97, "test_cli.py": 93, "test_notebooks.py": 81, "test_decode.py": 81, "test_ngram.py": 68,
+    "test_smollm2.py": 63, "test_auto.py": 61, "test_window_attention.py": 55, "test_hf_models.py": 53,
+    "test_tree_attention.py": 53, "test_compile_cache.py": 43, "test_prefill.py": 43, "test_gemma.py": 35,
+    "test_sharding.py": 32, "test_selfdistill.py": 27, "test_retrieval.py": 20, "test_gpu_checks.py": 15,
+    "test_windowed_drafter.py": 14, "test_gguf.py": 7, "test_cli_errors.py": 3, "test_architecture.py": 1,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest test files first (a file's own order kept): each xdist worker takes the next
+    file as it frees, so starting with the long ones lets both finish together instead of one
+    running a long file alone at the end. .ci/run passes --no-loadscope-reorder, without which
+    xdist orders files by their number of tests instead. Files not measured yet go last."""
+    items.sort(key=lambda item: -SUITE_SECONDS.get(item.path.name, 0.0))
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as maps:

@@ -712,6 +712,7 @@ def test_the_next_start_begins_on_the_policy_the_cached_costs_favour(target, dra
     first = _adaptive(target, drafter, remember=True)
     first.shutdown()  # no request ran: the costs alone are worth keeping
     assert first.policy == "chain" and not first.started_from_cache
+    assert first.compile_rest == "before_ready"  # "auto" on a first start: its start policy is a guess
     [saved] = (tmp_path / "serve").glob("*.json")
     kept = json.loads(saved.read_text())
     assert {(p, r) for p, r, _ in kept["startup_s"]} == {(p, r) for p in ("ar", "chain") for r in first.shapes.row_buckets}
@@ -723,6 +724,7 @@ def test_the_next_start_begins_on_the_policy_the_cached_costs_favour(target, dra
         later = _adaptive(target, drafter, remember=True)
         later.shutdown()
         assert later.started_from_cache and later.policy == cheap, (cheap, later.policy)
+        assert later.compile_rest == "while_idle"  # "auto" where the cached costs chose the start
         assert later.warmup._timed == set()  # nothing timed: every policy's costs came from the cache
         assert json.loads(saved.read_text())["startup_s"] == kept["startup_s"]
 
@@ -843,8 +845,9 @@ def test_shutting_down_stops_the_background_compiler_between_programs(target, dr
         return original(self, policy, progress, gate)
 
     monkeypatch.setattr(Programs, "compile_steps", held)
-    config = ServeConfig(method="adaptive", slots=2, context_length=64, max_new_tokens=8, prompt_bucket=16,
-                         controller=ControllerConfig(policies=("ar", "chain"), remember=False),
+    # The configuration of the while-idle test above: its start policy's programs are compiled already.
+    config = ServeConfig(method="adaptive", slots=2, context_length=64, max_new_tokens=24, steps_per_sync=2,
+                         prompt_bucket=16, controller=ControllerConfig(policies=("ar", "chain"), remember=False),
                          compile_rest="while_idle")
     scheduler = Scheduler(target, drafter, config, latency_cache=None)
     assert started.wait(timeout=600)

@@ -59,12 +59,15 @@ class ServeConfig:
     stopped; "recompute" re-prefills its prompt and its tokens so far, as vLLM's default does, which
     needs no host memory, but in bf16 the recomputed K/V round differently from those the decode
     steps wrote, and can change the tokens that follow."""
-    compile_rest: str = "before_ready"
+    compile_rest: str = "auto"
     """When an adaptive server compiles the policies besides the one it starts on: "before_ready"
     (the server answers /ready only once every policy is compiled and timed, so no compile ever
-    shares the cores with a request) or "while_idle" (ready once the start policy is compiled; the
+    shares the cores with a request), "while_idle" (ready once the start policy is compiled; the
     rest compile one program at a time, each only while no request is running or waiting, and the
-    controller takes each policy up once it is timed)."""
+    controller takes each policy up once it is ready) or "auto": "while_idle" where the start policy
+    was chosen from the last run's measured costs on this machine (it is then the one measured
+    best, and a warm start is ready in about 20 s rather than 45 s on the 2-core EPYC), else
+    "before_ready" (a first start, whose start policy is only the longest chain)."""
     prefill_chunk: int = 256
     """Prompts longer than this are prefilled this many tokens per scheduler turn, while the other
     slots keep decoding between chunks (0: prefill every prompt whole). Windowed drafters prefill
@@ -108,8 +111,8 @@ class ServeConfig:
             check_at_least(1, drafting_length=self.drafting_length)
         if self.max_request_bytes is not None:
             check_at_least(1, max_request_bytes=self.max_request_bytes)
-        if self.compile_rest not in ("before_ready", "while_idle"):
-            raise SpecjaxError(f"compile_rest must be 'before_ready' or 'while_idle', got {self.compile_rest!r}")
+        if self.compile_rest not in ("auto", "before_ready", "while_idle"):
+            raise SpecjaxError(f"compile_rest must be 'auto', 'before_ready' or 'while_idle', got {self.compile_rest!r}")
         if self.preemption not in ("park", "recompute"):
             raise SpecjaxError(f"preemption must be 'park' or 'recompute', got {self.preemption!r}")
         check_at_least(0, prefill_chunk=self.prefill_chunk)

@@ -108,6 +108,9 @@ class Scheduler:
         # Start (and compile first) the policy the last run's costs favour here, not always the chain.
         self.started_from_cache = priors_loaded and self.controller.choose_cached_start(shapes.row_buckets,
                                                                                       shapes.attend_buckets[0])
+        self.compile_rest = config.compile_rest if config.compile_rest != "auto" else (
+            "while_idle" if self.started_from_cache else "before_ready")
+        """config.compile_rest, with "auto" decided for this start."""
         # Windowing relief needs a drafter that reads a full-attention context cache: not a windowed
         # drafter's ring (bounded already), nor rapid's drafting context (the target's own cache).
         full_context = drafter is not None and drafter.config.window is None and self.statics.rapid is None
@@ -134,7 +137,8 @@ class Scheduler:
             self._encoder = load_sentence_encoder()
         self.warmup = Warmup(self.programs, self.controller, self.reporter, config, self._device_lock,
                              lambda: self._stopping, priors_loaded,
-                             idle=lambda: not self.table.live and not self.table.waiting)
+                             idle=lambda: not self.table.live and not self.table.waiting,
+                             rest_while_idle=self.compile_rest == "while_idle")
         self.metrics.policy(self.policy, None)
         if compile_now:
             self.warmup.compile()

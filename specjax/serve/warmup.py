@@ -30,15 +30,16 @@ class Warmup:
 
     def __init__(self, programs: Programs, controller: Controller, reporter: StepReporter, config: ServeConfig,
                  device_lock: threading.Lock, stopping: Callable[[], bool], priors_loaded: bool,
-                 idle: Callable[[], bool] = lambda: True):
+                 idle: Callable[[], bool] = lambda: True, rest_while_idle: bool = False):
         """device_lock: held while timing, so serving and measuring do not share the cores;
         stopping: True once the server shuts down (the background compiler then stops);
-        idle: True while no request is running or waiting (config.compile_rest "while_idle")."""
+        idle: True while no request is running or waiting; rest_while_idle: compile the other
+        policies only then (the server's compile_rest, decided)."""
         self.programs, self.controller, self.reporter, self.config = programs, controller, reporter, config
         self.shapes, self.statics, self.parts = programs.shapes, programs.statics, programs.parts
         self.policies = programs.shapes.policies
         self._device_lock, self._stopping, self.priors_loaded = device_lock, stopping, priors_loaded
-        self._idle = idle
+        self._idle, self.rest_while_idle = idle, rest_while_idle
         self.idle_waits = 0
         """Times the background compiler waited for the server to go idle (compile_rest "while_idle")."""
         self.compile_seconds = 0.0
@@ -90,7 +91,7 @@ class Warmup:
 
     def _compile_rest(self, policies: tuple[str, ...]) -> None:
         started = time.perf_counter()
-        while_idle = self.config.compile_rest == "while_idle"
+        while_idle = self.rest_while_idle
         for policy in policies:
             try:  # the last run's costs where this machine has them: a warm start then only loads
                 self.make_ready(policy, while_idle=while_idle, in_background=True,
@@ -137,7 +138,7 @@ class Warmup:
         chains = [m for m in chains if m.needs_drafter and not m.needs_tree]
         if not chains:  # trees split by their latency model
             return
-        self._between_programs(self.config.compile_rest == "while_idle")
+        self._between_programs(self.rest_while_idle)
         with self._device_lock:
             self.reporter.phase_seconds = slot_api.measure_phase_seconds(self.parts, self.statics,
                                                                          any(m.needs_refiner for m in chains))
