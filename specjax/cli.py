@@ -1136,7 +1136,7 @@ def _add_serve_command(sub) -> None:
     srv.add_argument("--preemption", choices=["park", "recompute"], default="park",
                      help="a request preempted under --kv-budget-mib: park its slot's state in host memory and write "
                           "it back (exact at any precision), or recompute its tokens so far (no host memory)")
-    srv.add_argument("--compile-rest", choices=["auto", "before-ready", "while-idle"], default="auto",
+    srv.add_argument("--compile-rest", choices=["auto", "before-ready", "while-idle"], default="before-ready",
                      help="adaptive: compile the policies besides the start policy before /ready answers 200, or "
                           "after, one program at a time and only while no request is running or waiting; auto: "
                           "after where the last run's measured costs chose the start policy, else before")

@@ -330,11 +330,11 @@ from specjax.serve.scheduler import Request, Scheduler, ServeConfig  # noqa: E40
 
 
 def _adaptive(target, drafter, slot_count=3, tree=TreeConfig(), latency_cache=None, metrics_log=None,
-              snapshot_every=1.0, preemption="park", **controller):
+              snapshot_every=1.0, preemption="park", compile_rest="before_ready", **controller):
     controller.setdefault("remember", False)  # no acceptance carried from one test (or run) to the next
     config = ServeConfig(method="adaptive", slots=slot_count, context_length=64, max_new_tokens=24, steps_per_sync=2,
                          prompt_bucket=16, controller=ControllerConfig(**controller), tree=tree,
-                         snapshot_every=snapshot_every, preemption=preemption)
+                         snapshot_every=snapshot_every, preemption=preemption, compile_rest=compile_rest)
     return Scheduler(target, drafter, config, compile_now=False, latency_cache=latency_cache, metrics_log=metrics_log)
 
 
@@ -691,7 +691,7 @@ def test_a_controller_starts_from_an_earlier_runs_acceptance_on_the_policy_measu
 
 def test_an_adaptive_server_keeps_its_acceptance_for_the_next_start(target, drafter, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-    first = _adaptive(target, drafter, remember=True)
+    first = _adaptive(target, drafter, remember=True, compile_rest="auto")
     try:
         first.submit(Request(tuple(PROMPTS[0]), max_tokens=12, temperature=0.0)).result(timeout=300)
     finally:
@@ -709,7 +709,7 @@ def test_the_next_start_begins_on_the_policy_the_cached_costs_favour(target, dra
     chooses its start policy (the one compiled first) from them instead of always the longest
     chain, and takes every policy's cached costs instead of timing it again."""
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-    first = _adaptive(target, drafter, remember=True)
+    first = _adaptive(target, drafter, remember=True, compile_rest="auto")
     first.shutdown()  # no request ran: the costs alone are worth keeping
     assert first.policy == "chain" and not first.started_from_cache
     assert first.compile_rest == "before_ready"  # "auto" on a first start: its start policy is a guess
@@ -721,7 +721,7 @@ def test_the_next_start_begins_on_the_policy_the_cached_costs_favour(target, dra
         # Make one policy 100 times the other's cost: the next start must begin on the cheap one.
         kept["startup_s"] = [[p, r, (100.0 if p == dear else 1.0) * s] for p, r, s in measured]
         saved.write_text(json.dumps(kept))
-        later = _adaptive(target, drafter, remember=True)
+        later = _adaptive(target, drafter, remember=True, compile_rest="auto")
         later.shutdown()
         assert later.started_from_cache and later.policy == cheap, (cheap, later.policy)
         assert later.compile_rest == "while_idle"  # "auto" where the cached costs chose the start
