@@ -12,6 +12,16 @@
 #   bash experiments/gpu_checks.sh kernels $OUT
 # Before any GPU is lent, the same sections on this CPU at toy sizes:
 #   bash experiments/gpu_checks.sh --dry-run [OUT] [--sections decode,verify_curve,serve,demo]
+#
+# Self-distilled answers for a drafter recipe (issue 45): export its prompts here, answer them there,
+# train here on what comes back (specjax/train/answers.py):
+#   here:   specjax train-drafter --out runs/sg4 <recipe> --export-prompts runs/sg4/prompts
+#   here:   bash experiments/gpu_checks.sh pack runs/sg4/prompts      # the prompts go in the last part
+#   there:  bash experiments/gpu_checks.sh stash                     # as above, for every part but the last
+#   there:  bash experiments/gpu_checks.sh answer $OUT [SECONDS]     # carry=[".gpu/<N>"]; rerun to continue
+#   here:   specjax train-drafter --out runs/sg4 <recipe> --answers-from <the files that came back>
+# The same path on this CPU, on four ShareGPT prompts:
+#   bash experiments/gpu_checks.sh answer-dry-run [OUT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=/tmp/specjax-carry
@@ -29,6 +39,9 @@ pack() {
   local i=0
   for part in .gpu/parts/gguf.*; do i=$((i + 1)); mkdir -p ".gpu/$i"; mv "$part" ".gpu/$i/"; done
   rmdir .gpu/parts
+  if [ -n "${1:-}" ]; then  # exported prompts to answer there: a few MB, beside the last part
+    mkdir -p ".gpu/$i/prompts" && cp "$1"/*.prompts.npz ".gpu/$i/prompts/"
+  fi
   python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d ".gpu/$i/wheels" "${WHEELS[@]}"
@@ -53,13 +66,33 @@ prepare_gpu_machine() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
 }
 
+answer() {  # OUT SECONDS PROMPTS [specjax answer-prompts options]: answers, gzipped, and their report
+  local out="$1" seconds="$2" prompts="$3"
+  mkdir -p "$out"
+  python3 -m specjax.cli answer-prompts "$prompts" --out "$out" --time-limit "$seconds" --compress --json "${@:4}" \
+    | tee "$out/answers.json"
+}
+
 case "${1:-}" in
-  pack) pack ;;
+  pack) pack "${2:-}" ;;
   stash) stash ;;
   run)
     out="${2:-${OUT:-runs/gpu}}"
     prepare_gpu_machine
     python3 experiments/gpu_checks.py "$out" "${@:3}" ;;
+  answer)
+    out="${2:-${OUT:-runs/gpu}}"
+    prepare_gpu_machine
+    answer "$out" "${3:-360}" "$(ls -d .gpu/*/prompts | tail -1)" --batch-size 512 ;;
+  answer-dry-run)
+    out="${2:-runs/gpu-answer-dry-run}"
+    rm -rf "$out" && mkdir -p "$out"
+    recipe=(--out "$out/run" --chat-prompts 0 --corpus-sequences 0 --sharegpt-prompts 4 --heldout-sharegpt 2
+            --seq-len 96 --dtype float32)
+    python -m specjax.cli train-drafter "${recipe[@]}" --export-prompts "$out/prompts"
+    answer "$out/answers" 600 "$out/prompts" --batch-size 4
+    python -m specjax.cli train-drafter "${recipe[@]}" --answers-from "$out/answers" --data-only --json \
+      | tee "$out/data.json" ;;
   kernels)
     out="${2:-${OUT:-runs/gpu}}"
     mkdir -p "$out"
@@ -71,7 +104,7 @@ case "${1:-}" in
     out="${2:-runs/gpu-dry-run}"
     python experiments/gpu_checks.py "$out" --dry-run "${@:3}" ;;
   *)
-    echo "usage: bash experiments/gpu_checks.sh pack | stash | run OUT [--sections ...] | kernels OUT |" \
-         "--dry-run [OUT] [--sections ...]" >&2
+    echo "usage: bash experiments/gpu_checks.sh pack [PROMPTS] | stash | run OUT [--sections ...] |" \
+         "answer OUT [SECONDS] | kernels OUT | --dry-run [OUT] [--sections ...] | answer-dry-run [OUT]" >&2
     exit 2 ;;
 esac

@@ -788,12 +788,49 @@ def cmd_train_drafter(args) -> int:
     recipe = _distill_recipe(args)
     make_dir(args.out, "--out")
     _say_how_to_resume()
-    summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only)
+    summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only,
+                                   export_prompts=args.export_prompts, answers_from=args.answers_from)
+    if args.export_prompts:
+        print(json.dumps(summary) if args.json else
+              f"prompts of {len(summary['exported'])} sets written to {summary['folder']}: answer them with "
+              f"`specjax answer-prompts {summary['folder']} --out ANSWERS`, then rerun this command with "
+              "--answers-from ANSWERS in place of --export-prompts")
+        return 0
     if args.data_only:
         print(json.dumps(summary))
         return 0
     print(json.dumps(summary) if args.json else
           f"drafter written to {summary['drafter']} (held-out tau estimate {summary['tau_estimate']})")
+    return 0
+
+
+def cmd_answer_prompts(args) -> int:
+    import dataclasses
+
+    import jax
+
+    from specjax.io.registry import load_model
+    from specjax.train.answers import answer_prompt_sets, compress_answers, prompt_sets_in, target_of
+
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise SpecjaxError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.batch_size < 1:
+        raise SpecjaxError(f"--batch-size must be at least 1, got {args.batch_size}")
+    model_name, dtype = target_of(prompt_sets_in(args.prompts))
+    # float32 answers must be float32's: a GPU's default dot precision rounds inputs to TF32.
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = load_model(args.model or model_name, dtype)
+    make_dir(args.out, "--out")
+    reports = answer_prompt_sets(model, args.prompts, args.out, args.batch_size, args.time_limit)
+    if args.compress:
+        compress_answers(args.out)
+    for r in reports:
+        print(json.dumps(dataclasses.asdict(r)) if args.json else
+              f"{r.name}: {r.answered} of {r.prompts} prompts answered; {r.new_tokens:,} tokens in this call "
+              f"at {r.tokens_per_s:,.0f} tokens/s")
+    if any(r.answered < r.prompts for r in reports) and not args.json:
+        print(f"the time limit left prompts unanswered: rerun the same command to continue ({args.out} keeps the "
+              "answers so far)")
     return 0
 
 
@@ -1021,6 +1058,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_command(sub)
     _add_train_lm_command(sub)
     _add_train_drafter_command(sub)
+    _add_answer_prompts_command(sub)
     _add_train_refiner_command(sub)
     _add_train_compressor_command(sub)
     return parser
@@ -1309,9 +1347,29 @@ def _add_train_drafter_command(sub) -> None:
                     help="an earlier run's data folder: prompts it answered are not answered again (repeatable; "
                          "for growing a data set over runs with other seeds)")
     td.add_argument("--data-only", action="store_true", help="stop after making the distillation data")
+    td.add_argument("--export-prompts", metavar="DIR",
+                    help="only write the prompts the target has to answer to DIR, to be answered on another "
+                         "machine (answer-prompts); builds nothing")
+    td.add_argument("--answers-from", metavar="DIR",
+                    help="answers made elsewhere (answer-prompts' --out): used before the target answers what is "
+                         "left; each is checked against this recipe's prompts")
     td.add_argument("--json", action="store_true")
     _add_mesh_options(td)
     td.set_defaults(func=cmd_train_drafter)
+
+
+def _add_answer_prompts_command(sub) -> None:
+    ap = sub.add_parser("answer-prompts", help="answer prompts exported by train-drafter --export-prompts (on a "
+                                               "machine with an accelerator; rerun to continue)")
+    ap.add_argument("prompts", help="the folder train-drafter --export-prompts wrote")
+    ap.add_argument("--out", required=True, help="folder for the answers (<set>.continuations.jsonl)")
+    ap.add_argument("--model", help="where the target is here, if not under the name the prompts were exported with")
+    ap.add_argument("--batch-size", type=int, default=256, help="rows decoded together (finished rows are refilled)")
+    ap.add_argument("--time-limit", type=float, metavar="SECONDS",
+                    help="start no prompt after this many seconds; rerun to answer the rest")
+    ap.add_argument("--compress", action="store_true", help="gzip the answers at the end (about a third the size)")
+    ap.add_argument("--json", action="store_true")
+    ap.set_defaults(func=cmd_answer_prompts)
 
 
 def _add_train_refiner_command(sub) -> None:

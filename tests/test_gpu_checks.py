@@ -46,3 +46,20 @@ def test_the_whole_dry_run_passes(tmp_path):
         assert serve[method]["seconds_to_health"] <= serve[method]["seconds_to_ready"]
         assert serve[method]["load"]["completed"] == 4
     assert "Speculative output is identical to" in json.loads((tmp_path / "demo.json").read_text())["output"]
+
+
+@pytest.mark.slow
+def test_the_answer_dry_run_trains_on_answers_made_elsewhere(tmp_path):
+    """Issue 45's GPU path on the CPU: export a recipe's ShareGPT prompts, answer them in another
+    process, and build the data from what came back without the target answering anything here."""
+    done = subprocess.run(["bash", "experiments/gpu_checks.sh", "answer-dry-run", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    answers = [json.loads(line) for line in (tmp_path / "answers" / "answers.json").read_text().splitlines()]
+    assert {a["name"] for a in answers} == {"sharegpt", "heldout_sharegpt"}
+    assert all(a["answered"] == a["prompts"] > 0 and a["new_tokens"] > 0 for a in answers)
+    assert sorted(p.name for p in (tmp_path / "answers").glob("*.gz")) == [
+        "heldout_sharegpt.continuations.jsonl.gz", "sharegpt.continuations.jsonl.gz"]
+    data = json.loads((tmp_path / "data.json").read_text())
+    assert data["train_tokens"] == next(a["new_tokens"] for a in answers if a["name"] == "sharegpt")
+    assert "greedy continuations of 0 prompts" in done.stderr and "greedy continuations of 1" not in done.stderr

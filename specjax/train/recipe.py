@@ -232,8 +232,13 @@ def sharegpt_training_requests(recipe: DistillRecipe) -> tuple[list, list]:
     return picked[: recipe.sharegpt_prompts], picked[recipe.sharegpt_prompts:]
 
 
-def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
-    """(train sets, held-out set); each stage is skipped when its folder is complete."""
+def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...], export_to: Path | None = None,
+               answers_from: Path | None = None):
+    """(train sets, held-out set); each stage is skipped when its folder is complete.
+
+    export_to: write the prompts of every set the target still has to answer there (train/answers.py)
+    and build nothing; the held-out set comes back as None. answers_from: a folder of answers made
+    elsewhere, merged into each set's answers before the target answers what is left."""
     from specjax.data.corpora import load_split
     from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
     from specjax.train.drafter import without_looping
@@ -246,7 +251,10 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             raise SpecjaxError(f"{model.name} has no chat template: train it on text_prompts or corpus_sequences, "
                                f"with heldout_text_prompts for the acceptance estimate"
                                + (f" (the recipe asks for {', '.join(chat)})" if chat else ""))
-    data = _DataBuilder(model, recipe, out_dir, taps)
+    if export_to is not None and recipe.self_instruct_prompts:
+        raise SpecjaxError("self-instruct requests are written by the target itself before they are answered, "
+                           "so they cannot be exported: leave self_instruct_prompts at 0 with --export-prompts")
+    data = _DataBuilder(model, recipe, out_dir, taps, export_to, answers_from)
     train_docs, heldout_docs = load_split(recipe.corpora)
     sets = []
     if recipe.chat_prompts:
@@ -270,9 +278,15 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
             sets.append(data.sharegpt_replies(replied))
     if recipe.text_prompts:
         sets.append(data.text_continuations(train_docs, recipe.text_prompts, "text", seed=recipe.seed))
+    if export_to is not None:
+        if recipe.heldout_text_prompts:
+            data.text_continuations(heldout_docs, recipe.heldout_text_prompts, "heldout_text", seed=-1)
+        else:
+            data.heldout_set()
+        return [], None
     heldout, looping = without_looping(data.text_continuations(heldout_docs, recipe.heldout_text_prompts,
                                                                "heldout_text", seed=-1)
-                                       if recipe.heldout_text_prompts else data.heldout())
+                                       if recipe.heldout_text_prompts else data.heldout_set())
     if looping:
         held = "ShareGPT" if recipe.heldout_sharegpt else "text" if recipe.heldout_text_prompts else "chat"
         _log(f"held-out {held}: {looping} of "
@@ -286,10 +300,12 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
 class _DataBuilder:
     """Builds a recipe's distillation sets in out_dir, each once: a complete folder is reused."""
 
-    def __init__(self, model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...]):
+    def __init__(self, model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...],
+                 export_to: Path | None = None, answers_from: Path | None = None):
         from specjax.train.selfdistill import GeneratorConfig
 
         self.model, self.recipe, self.out_dir, self.taps = model, recipe, out_dir, taps
+        self.export_to, self.answers_from = export_to, answers_from
         self.tok = model.tokenizer
         # Prompts longer than half a sequence are skipped, not cut: a cut prompt loses the chat
         # template's closing "assistant" turn.
@@ -317,14 +333,29 @@ class _DataBuilder:
     def _open(self, folder: Path, build, what: str):
         from specjax.train.drafter import DistillationSet
 
+        if self.export_to is not None:
+            return None  # exporting builds nothing: sets without prompts to answer are built on return
         built_once(lambda: self._done(folder), build, f"{what} in {folder}")
         return DistillationSet.open(folder)
 
     def continuations(self, prompts: list, folder: Path, what: str, generator=None):
         """The set of the target's greedy answers to `prompts`: chat requests (text or messages), or
-        token ids continued as they are (generator: the GeneratorConfig, if not the recipe's own)."""
-        return self._open(folder, lambda: self._build_continuations(prompts, folder, what, generator or self.generator),
+        token ids continued as they are (generator: the GeneratorConfig, if not the recipe's own).
+        When exporting, its prompts are written instead and None comes back."""
+        generator = generator or self.generator
+        if self.export_to is not None:
+            if not self._done(folder):
+                self._export(self._prompt_ids(prompts, folder, what, generator), folder, what, generator)
+            return None
+        return self._open(folder, lambda: self._build_continuations(prompts, folder, what, generator),
                           f"{what} data")
+
+    def _export(self, ids: list, folder: Path, what: str, generator) -> None:
+        from specjax.train.answers import export_set
+
+        path = export_set(self.export_to, folder.name, ids, generator, self.model.eos_token_ids, self.model.name,
+                          self.recipe.dtype)
+        _log(f"{what}: {len(ids)} prompts written to {path}")
 
     def text_continuations(self, docs: list, count: int, name: str, seed: int):
         """The target's greedy continuations of `count` windows of the documents' text (seed -1: a
@@ -336,9 +367,8 @@ class _DataBuilder:
                                         max_new_tokens=recipe.seq_len - recipe.text_prompt_tokens)
         return self.continuations(windows, self.out_dir / name, f"{name.replace('_', ' ')} windows", generator)
 
-    def _build_continuations(self, prompts: list, folder: Path, what: str, generator) -> None:
-        from specjax.train.selfdistill import generate_continuations, read_continuations
-
+    def _prompt_ids(self, prompts: list, folder: Path, what: str, generator) -> list[list[int]]:
+        """The token ids the generator answers for `prompts`, in order (the answers' indices)."""
         tok = self.tok
         # A prompt is a chat request (text or messages) or token ids; a conversation that does not fit
         # loses its earliest turns (a text prompt that does not fit is skipped by the generator, which
@@ -353,8 +383,21 @@ class _DataBuilder:
                 _log(f"{what}: {len(ids) - len(fresh)} of {len(ids)} prompts were answered in an earlier run "
                      f"({', '.join(self.recipe.avoid_prompts_from)}); left out")
             ids = fresh
-        _log(f"{what}: greedy continuations of {len(ids)} prompts ({generator.batch_size} rows, refilled as they finish)")
+        return ids
+
+    def _build_continuations(self, prompts: list, folder: Path, what: str, generator) -> None:
+        from specjax.train.answers import answers_file_in, merge_answers
+        from specjax.train.selfdistill import generate_continuations, read_continuations
+
+        ids = self._prompt_ids(prompts, folder, what, generator)
         path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
+        made_elsewhere = answers_file_in(self.answers_from, folder.name) if self.answers_from else None
+        if made_elsewhere is not None:
+            _log(f"{what}: {merge_answers(made_elsewhere, path, ids)} answers added from {made_elsewhere}")
+        answered = len(read_continuations(path))
+        _log(f"{what}: greedy continuations of {len(ids) - answered} prompts"
+             + (f" ({answered} of {len(ids)} answered before)" if answered else "")
+             + f" ({generator.batch_size} rows, refilled as they finish)")
         report = generate_continuations(self.model.params, self.model.config, ids, path, generator,
                                         self.model.eos_token_ids)
         if report.sequences:
@@ -400,7 +443,7 @@ class _DataBuilder:
 
         return self._open(folder, build, "ShareGPT reply data")
 
-    def heldout(self):
+    def heldout_set(self):
         """The target's answers to the held-out requests the in-training tau estimate replays."""
         from specjax.data.prompts import HELDOUT_CHAT_PROMPTS, heldout_prompts
 
@@ -434,7 +477,11 @@ class _DataBuilder:
 
 
 def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRecipe = DistillRecipe(),
-                         data_only: bool = False) -> dict:
+                         data_only: bool = False, export_prompts: str | Path | None = None,
+                         answers_from: str | Path | None = None) -> dict:
+    """Distil, then train a drafter; a rerun resumes. export_prompts: only write the prompts the target
+    has to answer there, to be answered elsewhere (`answer-prompts`); answers_from: the answers that
+    came back, used before the target answers what is left (train/answers.py)."""
     import jax
 
     from specjax.io.dflash import save_drafter
@@ -449,7 +496,12 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
                                       num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
     write_recipe(out_dir, recipe)
-    sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids)
+    if export_prompts is not None:
+        build_data(model, recipe, out_dir / "data", config.target_layer_ids, export_to=Path(export_prompts))
+        exported = sorted(p.name for p in Path(export_prompts).glob("*.prompts.npz"))
+        return {"exported": exported, "folder": str(export_prompts)}
+    sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids,
+                               answers_from=Path(answers_from) if answers_from else None)
     if data_only:
         return {"train_tokens": sum(s.num_tokens for s in sets), "heldout_tokens": heldout.num_tokens}
     _log(f"training on {sum(s.num_tokens for s in sets):,} labelled tokens "

@@ -220,9 +220,12 @@ def _check_disk(folder: Path, prompts: int, gen: GeneratorConfig) -> None:
 
 def generate_continuations(params, config: TransformerConfig, prompts: Sequence[Sequence[int]], out_path: str | Path,
                            gen: GeneratorConfig = GeneratorConfig(), eos_token_ids: tuple[int, ...] = (),
-                           progress: bool = True) -> GenerationReport:
+                           progress: bool = True, deadline: float | None = None) -> GenerationReport:
     """Greedy continuations of token-id prompts, appended to out_path (JSONL: index, prompt,
-    generated) as each finishes. Prompts already in the file are skipped, so rerunning resumes."""
+    generated) as each finishes. Prompts already in the file are skipped, so rerunning resumes.
+
+    deadline: a `time.monotonic()` value after which no further prompt is started; the rows in
+    flight finish, and a rerun answers the rest (for a machine lent for minutes)."""
     from tqdm.auto import tqdm
 
     out_path = Path(out_path)
@@ -257,6 +260,8 @@ def generate_continuations(params, config: TransformerConfig, prompts: Sequence[
                 bar.update(len(ready))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
             free = np.flatnonzero(owner < 0)
+            if deadline is not None and time.monotonic() > deadline:
+                exhausted = True
             # Refill in whole insert calls while prompts remain.
             while not exhausted and len(free):
                 batch = list(itertools.islice(queue, min(gen.refill_rows, len(free))))
