@@ -26,6 +26,13 @@ import pytest  # noqa: E402
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# .ci/run gives its two workers one jax persistent cache, new for the run: the files of both use
+# the same tiny models at the same shapes, and a program one worker compiled the other then loads.
+# Only this process's config is set, never the environment, so the CLI's subprocesses keep theirs.
+if os.environ.get("SPECJAX_TEST_SHARED_XLA_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["SPECJAX_TEST_SHARED_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
 # Seconds each test file's default-suite tests took on the 2-core EPYC (AVX2), summed from
 # `python -m pytest -m "not slow" -n auto --dist loadfile --durations 0 tests`, 2026-12-07 (535 tests,
 # 22:06 on two workers). Only the order matters: stale figures cost balance, never correctness.
@@ -45,7 +52,10 @@ def pytest_collection_modifyitems(config, items):
     file as it frees, so starting with the long ones lets both finish together instead of one
     running a long file alone at the end. .ci/run passes --no-loadscope-reorder, without which
     xdist orders files by their number of tests instead. Files not measured yet go last."""
-    items.sort(key=lambda item: -SUITE_SECONDS.get(item.path.name, 0.0))
+    # Within a file, the negative controls last: each clears every compiled program on its way out
+    # (broken_rule), so a test after it would compile its programs again.
+    items.sort(key=lambda item: (-SUITE_SECONDS.get(item.path.name, 0.0), item.path.name,
+                                 "broken_rule" in getattr(item, "fixturenames", ())))
 
 
 def _memory_maps() -> int:
@@ -75,13 +85,17 @@ def broken_rule(monkeypatch):
     """patch(module, name, replacement): a deliberately broken rule inside the product's own slot
     step, for negative controls. jit's caches are cleared on the way in, so the step is traced anew
     with the broken rule, and on the way out, so no later test meets the broken trace."""
+    patched = []
+
     def patch(module, name, replacement):
         monkeypatch.setattr(module, name, replacement)
         jax.clear_caches()
+        patched.append(name)
 
     yield patch
     monkeypatch.undo()
-    jax.clear_caches()
+    if patched:  # a control's unbroken twin keeps what it compiled
+        jax.clear_caches()
 
 
 TINY_SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
