@@ -26,12 +26,6 @@ import pytest  # noqa: E402
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# .ci/run gives its two workers one jax persistent cache, new for the run: the files of both use
-# the same tiny models at the same shapes, and a program one worker compiled the other then loads.
-# Only this process's config is set, never the environment, so the CLI's subprocesses keep theirs.
-if os.environ.get("SPECJAX_TEST_SHARED_XLA_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["SPECJAX_TEST_SHARED_XLA_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 # Seconds each test file's default-suite tests took on the 2-core EPYC (AVX2), summed from
 # `python -m pytest -m "not slow" -n auto --dist loadfile --durations 0 tests`, 2026-12-07 (535 tests,
@@ -236,3 +230,30 @@ def train_tiny_drafter(target, root, steps=150):
 def drafter(target, tmp_path_factory):
     """A drafter for the tiny target (see train_tiny_drafter)."""
     return train_tiny_drafter(target, tmp_path_factory.mktemp("drafter"))
+
+
+def recorded_build_data(monkeypatch, generate):
+    """build_data's steps without a model: `generate` stands in for the generator, and the features
+    pass only records the folders it would build. Returns (a toy model whose tokenizer encodes each
+    character as its code point, the list of folders built)."""
+    import types
+
+    import specjax.data.corpora
+    import specjax.train.drafter
+    import specjax.train.selfdistill
+
+    built: list[str] = []
+
+    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk, **_):
+        built.append(folder.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "meta.json").write_text("{}")
+
+    monkeypatch.setattr(specjax.train.selfdistill, "generate_continuations", generate)
+    monkeypatch.setattr(specjax.train.drafter, "build_distillation_set", features)
+    monkeypatch.setattr(specjax.train.drafter.DistillationSet, "open", staticmethod(lambda folder: folder))
+    monkeypatch.setattr(specjax.train.drafter, "without_looping", lambda s: (s, 0))
+    monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
+    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text], chat_template="{{ messages }}")
+    model = types.SimpleNamespace(name="toy", tokenizer=tokenizer, params=None, config=None, eos_token_ids=(3,))
+    return model, built

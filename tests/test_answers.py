@@ -16,6 +16,7 @@ from specjax.train.answers import (answer_prompt_sets, compress_answers, export_
                                    target_of)
 from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
 
+from conftest import recorded_build_data
 from test_decode import TINY
 
 GEN = GeneratorConfig(batch_size=4, max_prompt_tokens=8, max_new_tokens=10, refill_rows=1)
@@ -69,9 +70,6 @@ def test_answers_to_other_prompts_are_refused_before_anything_is_written(tmp_pat
 def test_a_recipe_exported_then_answered_elsewhere_needs_no_answer_here(tmp_path, monkeypatch):
     """build_data with export_to writes every set's prompts and builds nothing; with the answers back
     (answers_from) the target answers nothing here. Generation and features are recorders."""
-    import specjax.data.corpora
-    import specjax.train.drafter
-    import specjax.train.selfdistill
     from specjax.train.recipe import DistillRecipe, build_data
 
     left_to_answer: dict[str, int] = {}
@@ -84,20 +82,7 @@ def test_a_recipe_exported_then_answered_elsewhere_needs_no_answer_here(tmp_path
                     f.write(json.dumps({"index": i, "prompt": list(prompt), "generated": [7]}) + "\n")
         return types.SimpleNamespace(sequences=0, new_tokens=0, tokens_per_s=0.0, skipped_long_prompts=0)
 
-    built: list[str] = []
-
-    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk, **_):
-        built.append(folder.name)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "meta.json").write_text("{}")
-
-    monkeypatch.setattr(specjax.train.selfdistill, "generate_continuations", generate)
-    monkeypatch.setattr(specjax.train.drafter, "build_distillation_set", features)
-    monkeypatch.setattr(specjax.train.drafter.DistillationSet, "open", staticmethod(lambda folder: folder))
-    monkeypatch.setattr(specjax.train.drafter, "without_looping", lambda s: (s, 0))
-    monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
-    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text], chat_template="{{ messages }}")
-    model = types.SimpleNamespace(name="toy", tokenizer=tokenizer, params=None, config=None, eos_token_ids=(3,))
+    model, built = recorded_build_data(monkeypatch, generate)
     recipe = DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=40, seed=0)
 
     assert build_data(model, recipe, tmp_path / "run", taps=(1,), export_to=tmp_path / "prompts") == ([], None)

@@ -13,6 +13,7 @@ from specjax.errors import SpecjaxError
 from specjax.io.registry import LoadedModel
 from specjax.train.selfdistill import GeneratorConfig, generate_continuations, read_continuations
 
+from conftest import recorded_build_data
 from test_decode import TINY
 
 GEN = GeneratorConfig(batch_size=4, max_prompt_tokens=8, max_new_tokens=12, steps_per_sync=3, refill_rows=2)
@@ -141,9 +142,6 @@ def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_
     import dataclasses
     import types
 
-    import specjax.data.corpora
-    import specjax.train.drafter
-    import specjax.train.selfdistill
     from specjax.data.prompts import everyday_chat_prompts
     from specjax.train.recipe import DistillRecipe, build_data
 
@@ -157,17 +155,8 @@ def test_a_run_that_avoids_an_earlier_runs_data_answers_none_of_its_prompts(tmp_
         answered[str(path)] = [tuple(p) for p in ids]
         return types.SimpleNamespace(sequences=len(ids), new_tokens=len(ids), tokens_per_s=1.0, skipped_long_prompts=0)
 
-    def features(params, config, sequences, folder, taps, seq_len, teacher_labels, topk, **_):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "meta.json").write_text("{}")
-
-    monkeypatch.setattr(specjax.train.selfdistill, "generate_continuations", generate)
-    monkeypatch.setattr(specjax.train.drafter, "build_distillation_set", features)
-    monkeypatch.setattr(specjax.train.drafter.DistillationSet, "open", staticmethod(lambda folder: folder))
-    monkeypatch.setattr(specjax.train.drafter, "without_looping", lambda s: (s, 0))
-    monkeypatch.setattr(specjax.data.corpora, "load_split", lambda corpora: ([], []))
-    tokenizer = types.SimpleNamespace(encode_chat=lambda text: [ord(c) for c in text], chat_template="{{ messages }}")
-    model = types.SimpleNamespace(tokenizer=tokenizer, params=None, config=None, eos_token_ids=())
+    model, _ = recorded_build_data(monkeypatch, generate)
+    tokenizer = model.tokenizer
 
     def everyday(run: str) -> set[tuple[int, ...]]:
         return set(answered[str(tmp_path / run / "everyday.continuations.jsonl")])
