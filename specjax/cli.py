@@ -789,7 +789,8 @@ def cmd_train_drafter(args) -> int:
     make_dir(args.out, "--out")
     _say_how_to_resume()
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only,
-                                   export_prompts=args.export_prompts, answers_from=args.answers_from)
+                                   export_prompts=args.export_prompts, answers_from=args.answers_from,
+                                   answered_only=args.answered_only)
     if args.export_prompts:
         print(json.dumps(summary) if args.json else
               f"prompts of {len(summary['exported'])} sets written to {summary['folder']}: answer them with "
@@ -1353,6 +1354,9 @@ def _add_train_drafter_command(sub) -> None:
     td.add_argument("--answers-from", metavar="DIR",
                     help="answers made elsewhere (answer-prompts' --out): used before the target answers what is "
                          "left; each is checked against this recipe's prompts")
+    td.add_argument("--answered-only", action="store_true",
+                    help="self-distilled sets of the prompts answered so far (here or --answers-from), answering "
+                         "nothing more; a rerun with more answers builds them again")
     td.add_argument("--json", action="store_true")
     _add_mesh_options(td)
     td.set_defaults(func=cmd_train_drafter)

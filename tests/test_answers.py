@@ -109,3 +109,38 @@ def test_a_recipe_exported_then_answered_elsewhere_needs_no_answer_here(tmp_path
     with pytest.raises(SpecjaxError, match="exported from another recipe"):
         build_data(model, DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=40, seed=1),
                    tmp_path / "other", taps=(1,), answers_from=tmp_path / "answers")
+
+
+def test_answered_only_trains_on_the_answers_there_are_and_rebuilds_when_more_come(tmp_path, monkeypatch):
+    """--answered-only: the set holds the prompts answered so far and the target answers none; a
+    later run with more answers builds the set again from all of them."""
+    from specjax.train.recipe import DistillRecipe, build_data
+
+    def generate(*_, **__):
+        raise AssertionError("answered_only must not answer anything")
+
+    model, built = recorded_build_data(monkeypatch, generate)
+    recipe = DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=30, seed=0)
+    build_data(model, recipe, tmp_path / "run", taps=(1,), export_to=tmp_path / "prompts")
+    (tmp_path / "answers").mkdir()
+
+    def answer(name: str, count: int) -> None:
+        exported = read_prompt_set(tmp_path / "prompts" / f"{name}.prompts.npz")
+        with open(tmp_path / "answers" / f"{name}.continuations.jsonl", "w") as f:
+            for i, prompt in enumerate(exported.prompts[:count]):
+                f.write(json.dumps({"index": i, "prompt": list(prompt), "generated": [8, 3]}) + "\n")
+
+    answer("everyday", 10)
+    answer("heldout_chat", 42)
+    build_data(model, recipe, tmp_path / "run", taps=(1,), answers_from=tmp_path / "answers", answered_only=True)
+    assert sorted(built) == ["everyday", "heldout_chat"]
+    assert json.loads((tmp_path / "run" / "everyday" / "answers_used.json").read_text()) == 10
+    build_data(model, recipe, tmp_path / "run", taps=(1,), answers_from=tmp_path / "answers", answered_only=True)
+    assert sorted(built) == ["everyday", "heldout_chat"]  # nothing new: nothing built again
+    answer("everyday", 25)
+    build_data(model, recipe, tmp_path / "run", taps=(1,), answers_from=tmp_path / "answers", answered_only=True)
+    assert sorted(built) == ["everyday", "everyday", "heldout_chat"]
+    assert json.loads((tmp_path / "run" / "everyday" / "answers_used.json").read_text()) == 25
+    with pytest.raises(SpecjaxError, match="no answers to build from"):
+        build_data(model, DistillRecipe(chat_prompts=0, corpus_sequences=0, everyday_prompts=30, seed=2),
+                   tmp_path / "empty", taps=(1,), answered_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -233,12 +234,14 @@ def sharegpt_training_requests(recipe: DistillRecipe) -> tuple[list, list]:
 
 
 def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...], export_to: Path | None = None,
-               answers_from: Path | None = None):
+               answers_from: Path | None = None, answered_only: bool = False):
     """(train sets, held-out set); each stage is skipped when its folder is complete.
 
     export_to: write the prompts of every set the target still has to answer there (train/answers.py)
     and build nothing; the held-out set comes back as None. answers_from: a folder of answers made
-    elsewhere, merged into each set's answers before the target answers what is left."""
+    elsewhere, merged into each set's answers before the target answers what is left. answered_only:
+    the self-distilled sets hold the prompts answered so far and the target answers none; a later run
+    with more answers builds them again."""
     from specjax.data.corpora import load_split
     from specjax.data.prompts import code_task_prompts, everyday_chat_prompts, math_word_prompts, training_chat_prompts
     from specjax.train.drafter import without_looping
@@ -254,7 +257,7 @@ def build_data(model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...
     if export_to is not None and recipe.self_instruct_prompts:
         raise SpecjaxError("self-instruct requests are written by the target itself before they are answered, "
                            "so they cannot be exported: leave self_instruct_prompts at 0 with --export-prompts")
-    data = _DataBuilder(model, recipe, out_dir, taps, export_to, answers_from)
+    data = _DataBuilder(model, recipe, out_dir, taps, export_to, answers_from, answered_only)
     train_docs, heldout_docs = load_split(recipe.corpora)
     sets = []
     if recipe.chat_prompts:
@@ -301,11 +304,12 @@ class _DataBuilder:
     """Builds a recipe's distillation sets in out_dir, each once: a complete folder is reused."""
 
     def __init__(self, model, recipe: DistillRecipe, out_dir: Path, taps: tuple[int, ...],
-                 export_to: Path | None = None, answers_from: Path | None = None):
+                 export_to: Path | None = None, answers_from: Path | None = None, answered_only: bool = False):
         from specjax.train.selfdistill import GeneratorConfig
 
         self.model, self.recipe, self.out_dir, self.taps = model, recipe, out_dir, taps
-        self.export_to, self.answers_from = export_to, answers_from
+        self.export_to, self.answers_from, self.answered_only = export_to, answers_from, answered_only
+        self._ids: dict[Path, list[list[int]]] = {}  # each set's prompt ids, tokenized once a run
         self.tok = model.tokenizer
         # Prompts longer than half a sequence are skipped, not cut: a cut prompt loses the chat
         # template's closing "assistant" turn.
@@ -347,6 +351,8 @@ class _DataBuilder:
             if not self._done(folder):
                 self._export(self._prompt_ids(prompts, folder, what, generator), folder, what, generator)
             return None
+        if self.answered_only and is_writer():
+            self._drop_if_more_answers(prompts, folder, what, generator)
         return self._open(folder, lambda: self._build_continuations(prompts, folder, what, generator),
                           f"{what} data")
 
@@ -367,8 +373,35 @@ class _DataBuilder:
                                         max_new_tokens=recipe.seq_len - recipe.text_prompt_tokens)
         return self.continuations(windows, self.out_dir / name, f"{name.replace('_', ' ')} windows", generator)
 
+    @staticmethod
+    def _answers_path(folder: Path) -> Path:
+        return folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
+
+    def _merge_answers_from(self, ids: list, folder: Path, what: str) -> None:
+        from specjax.train.answers import answers_file_in, merge_answers
+
+        made_elsewhere = answers_file_in(self.answers_from, folder.name) if self.answers_from else None
+        if made_elsewhere is not None:
+            added = merge_answers(made_elsewhere, self._answers_path(folder), ids)
+            if added:
+                _log(f"{what}: {added} answers added from {made_elsewhere}")
+
+    def _drop_if_more_answers(self, prompts: list, folder: Path, what: str, generator) -> None:
+        """answered_only: a set built from fewer answers than there are now is built again."""
+        from specjax.train.selfdistill import read_continuations
+
+        self._merge_answers_from(self._prompt_ids(prompts, folder, what, generator), folder, what)
+        used = folder / "answers_used.json"
+        if self._done(folder) and used.exists():
+            have = len(read_continuations(self._answers_path(folder)))
+            if json.loads(used.read_text()) < have:
+                _log(f"{what}: built from {json.loads(used.read_text())} answers, {have} now; building it again")
+                shutil.rmtree(folder)
+
     def _prompt_ids(self, prompts: list, folder: Path, what: str, generator) -> list[list[int]]:
         """The token ids the generator answers for `prompts`, in order (the answers' indices)."""
+        if folder in self._ids:
+            return self._ids[folder]
         tok = self.tok
         # A prompt is a chat request (text or messages) or token ids; a conversation that does not fit
         # loses its earliest turns (a text prompt that does not fit is skipped by the generator, which
@@ -383,31 +416,37 @@ class _DataBuilder:
                 _log(f"{what}: {len(ids) - len(fresh)} of {len(ids)} prompts were answered in an earlier run "
                      f"({', '.join(self.recipe.avoid_prompts_from)}); left out")
             ids = fresh
+        self._ids[folder] = ids
         return ids
 
     def _build_continuations(self, prompts: list, folder: Path, what: str, generator) -> None:
-        from specjax.train.answers import answers_file_in, merge_answers
         from specjax.train.selfdistill import generate_continuations, read_continuations
 
         ids = self._prompt_ids(prompts, folder, what, generator)
-        path = folder.with_name(folder.name + ".continuations.jsonl")  # beside the set: survives a failed features pass
-        made_elsewhere = answers_file_in(self.answers_from, folder.name) if self.answers_from else None
-        if made_elsewhere is not None:
-            _log(f"{what}: {merge_answers(made_elsewhere, path, ids)} answers added from {made_elsewhere}")
+        path = self._answers_path(folder)
+        self._merge_answers_from(ids, folder, what)
         answered = len(read_continuations(path))
-        _log(f"{what}: greedy continuations of {len(ids) - answered} prompts"
-             + (f" ({answered} of {len(ids)} answered before)" if answered else "")
-             + f" ({generator.batch_size} rows, refilled as they finish)")
-        report = generate_continuations(self.model.params, self.model.config, ids, path, generator,
-                                        self.model.eos_token_ids)
-        if report.sequences:
-            _log(f"{what}: {report.new_tokens:,} new tokens at {report.tokens_per_s:.0f} tokens/s"
-                 + (f"; {report.skipped_long_prompts} prompts too long, skipped" if report.skipped_long_prompts else ""))
+        if self.answered_only:
+            _log(f"{what}: built from the {answered} of {len(ids)} prompts answered so far (answered only)")
+        else:
+            _log(f"{what}: greedy continuations of {len(ids) - answered} prompts"
+                 + (f" ({answered} of {len(ids)} answered before)" if answered else "")
+                 + f" ({generator.batch_size} rows, refilled as they finish)")
+            report = generate_continuations(self.model.params, self.model.config, ids, path, generator,
+                                            self.model.eos_token_ids)
+            if report.sequences:
+                _log(f"{what}: {report.new_tokens:,} new tokens at {report.tokens_per_s:.0f} tokens/s"
+                     + (f"; {report.skipped_long_prompts} prompts too long, skipped"
+                        if report.skipped_long_prompts else ""))
         found = read_continuations(path)
         if not found:
-            raise SpecjaxError(f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
+            raise SpecjaxError(f"{what}: no answers to build from (answer the exported prompts first)"
+                               if self.answered_only else
+                               f"{what}: none of the {len(ids)} prompts fits in {generator.max_prompt_tokens} tokens "
                                f"(half of the sequence length {self.recipe.seq_len}); raise --seq-len")
         self._set(folder, [(found[i][0] + found[i][1], len(found[i][0])) for i in sorted(found)], teacher_labels=False)
+        if self.answered_only:
+            (folder / "answers_used.json").write_text(json.dumps(len(found)))
 
     def self_instruct(self):
         """Requests the target writes itself from instructions, then answers."""
@@ -478,10 +517,11 @@ class _DataBuilder:
 
 def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRecipe = DistillRecipe(),
                          data_only: bool = False, export_prompts: str | Path | None = None,
-                         answers_from: str | Path | None = None) -> dict:
+                         answers_from: str | Path | None = None, answered_only: bool = False) -> dict:
     """Distil, then train a drafter; a rerun resumes. export_prompts: only write the prompts the target
     has to answer there, to be answered elsewhere (`answer-prompts`); answers_from: the answers that
-    came back, used before the target answers what is left (train/answers.py)."""
+    came back, used before the target answers what is left (train/answers.py); answered_only: train on
+    the answers there are, answering nothing more."""
     import jax
 
     from specjax.io.dflash import save_drafter
@@ -496,12 +536,15 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
                                       num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
     write_recipe(out_dir, recipe)
+    if export_prompts is not None and (answers_from or answered_only):
+        raise SpecjaxError("--export-prompts writes the prompts to answer; --answers-from and --answered-only "
+                           "belong to the run after they are answered")
     if export_prompts is not None:
         build_data(model, recipe, out_dir / "data", config.target_layer_ids, export_to=Path(export_prompts))
         exported = sorted(p.name for p in Path(export_prompts).glob("*.prompts.npz"))
         return {"exported": exported, "folder": str(export_prompts)}
     sets, heldout = build_data(model, recipe, out_dir / "data", config.target_layer_ids,
-                               answers_from=Path(answers_from) if answers_from else None)
+                               answers_from=Path(answers_from) if answers_from else None, answered_only=answered_only)
     if data_only:
         return {"train_tokens": sum(s.num_tokens for s in sets), "heldout_tokens": heldout.num_tokens}
     _log(f"training on {sum(s.num_tokens for s in sets):,} labelled tokens "
