@@ -16,10 +16,12 @@
 # Self-distilled answers for a drafter recipe (issue 45): export its prompts here, answer them there,
 # train here on what comes back (specjax/train/answers.py):
 #   here:   specjax train-drafter --out runs/sg4 <recipe> --export-prompts runs/sg4/prompts
-#   here:   bash experiments/gpu_checks.sh pack runs/sg4/prompts      # the prompts go in the last part
+#   here:   bash experiments/gpu_checks.sh pack runs/sg4/prompts [runs/sg4/answers]
+#           # the prompts (and the answers made so far, which the GPU then skips) go in the last part
 #   there:  bash experiments/gpu_checks.sh stash                     # as above, for every part but the last
 #   there:  bash experiments/gpu_checks.sh answer $OUT [SECONDS]     # carry=[".gpu/<N>"]; rerun to continue
 #   here:   specjax train-drafter --out runs/sg4 <recipe> --answers-from <the files that came back>
+#           (add --answered-only where the time limit left prompts unanswered)
 # The same path on this CPU, on four ShareGPT prompts:
 #   bash experiments/gpu_checks.sh answer-dry-run [OUT]
 set -euo pipefail
@@ -41,6 +43,10 @@ pack() {
   rmdir .gpu/parts
   if [ -n "${1:-}" ]; then  # exported prompts to answer there: a few MB, beside the last part
     mkdir -p ".gpu/$i/prompts" && cp "$1"/*.prompts.npz ".gpu/$i/prompts/"
+  fi
+  if [ -n "${2:-}" ]; then  # answers made so far (here), so that the GPU answers only the rest
+    mkdir -p ".gpu/$i/answers"
+    for f in "$2"/*.continuations.jsonl; do gzip -c "$f" > ".gpu/$i/answers/$(basename "$f").gz"; done
   fi
   python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -66,15 +72,19 @@ prepare_gpu_machine() {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
 }
 
-answer() {  # OUT SECONDS PROMPTS [specjax answer-prompts options]: answers, gzipped, and their report
-  local out="$1" seconds="$2" prompts="$3"
+answer() {  # OUT SECONDS PROMPTS SEEDS [answer-prompts options]: answers, gzipped, and their report.
+  # SEEDS: a folder of answers made before (*.continuations.jsonl.gz), which are then not made again.
+  local out="$1" seconds="$2" prompts="$3" seeds="$4"
   mkdir -p "$out"
-  python3 -m specjax.cli answer-prompts "$prompts" --out "$out" --time-limit "$seconds" --compress --json "${@:4}" \
+  for f in "$seeds"/*.continuations.jsonl.gz; do
+    if [ -e "$f" ]; then gunzip -c "$f" > "$out/$(basename "$f" .gz)"; fi
+  done
+  python3 -m specjax.cli answer-prompts "$prompts" --out "$out" --time-limit "$seconds" --compress --json "${@:5}" \
     | tee "$out/answers.json"
 }
 
 case "${1:-}" in
-  pack) pack "${2:-}" ;;
+  pack) pack "${@:2}" ;;
   stash) stash ;;
   run)
     out="${2:-${OUT:-runs/gpu}}"
@@ -83,14 +93,17 @@ case "${1:-}" in
   answer)
     out="${2:-${OUT:-runs/gpu}}"
     prepare_gpu_machine
-    answer "$out" "${3:-360}" "$(ls -d .gpu/*/prompts | tail -1)" --batch-size 512 ;;
+    answer "$out" "${3:-360}" "$(ls -d .gpu/*/prompts | tail -1)" "$(ls -d .gpu/*/ | tail -1)answers" \
+      --batch-size 512 ;;
   answer-dry-run)
     out="${2:-runs/gpu-answer-dry-run}"
     rm -rf "$out" && mkdir -p "$out"
     recipe=(--out "$out/run" --chat-prompts 0 --corpus-sequences 0 --sharegpt-prompts 4 --heldout-sharegpt 2
             --seq-len 96 --dtype float32)
     python -m specjax.cli train-drafter "${recipe[@]}" --export-prompts "$out/prompts"
-    answer "$out/answers" 600 "$out/prompts" --batch-size 4
+    answer "$out/first" 600 "$out/prompts" "" --batch-size 4
+    # A second call seeded with the first's answers, as a GPU call is with those made here: it answers nothing.
+    answer "$out/answers" 600 "$out/prompts" "$out/first" --batch-size 4
     python -m specjax.cli train-drafter "${recipe[@]}" --answers-from "$out/answers" --data-only --json \
       | tee "$out/data.json" ;;
   kernels)
@@ -104,7 +117,7 @@ case "${1:-}" in
     out="${2:-runs/gpu-dry-run}"
     python experiments/gpu_checks.py "$out" --dry-run "${@:3}" ;;
   *)
-    echo "usage: bash experiments/gpu_checks.sh pack [PROMPTS] | stash | run OUT [--sections ...] |" \
+    echo "usage: bash experiments/gpu_checks.sh pack [PROMPTS [ANSWERS]] | stash | run OUT [--sections ...] |" \
          "answer OUT [SECONDS] | kernels OUT | --dry-run [OUT] [--sections ...] | answer-dry-run [OUT]" >&2
     exit 2 ;;
 esac

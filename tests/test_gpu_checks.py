@@ -55,9 +55,11 @@ def test_the_answer_dry_run_trains_on_answers_made_elsewhere(tmp_path):
     done = subprocess.run(["bash", "experiments/gpu_checks.sh", "answer-dry-run", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    answers = [json.loads(line) for line in (tmp_path / "answers" / "answers.json").read_text().splitlines()]
+    answers = [json.loads(line) for line in (tmp_path / "first" / "answers.json").read_text().splitlines()]
     assert {a["name"] for a in answers} == {"sharegpt", "heldout_sharegpt"}
     assert all(a["answered"] == a["prompts"] > 0 and a["new_tokens"] > 0 for a in answers)
+    seeded = [json.loads(line) for line in (tmp_path / "answers" / "answers.json").read_text().splitlines()]
+    assert all(a["answered"] == a["prompts"] and a["new_tokens"] == 0 for a in seeded)  # nothing made twice
     assert sorted(p.name for p in (tmp_path / "answers").glob("*.gz")) == [
         "heldout_sharegpt.continuations.jsonl.gz", "sharegpt.continuations.jsonl.gz"]
     data = json.loads((tmp_path / "data.json").read_text())
