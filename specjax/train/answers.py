@@ -87,9 +87,12 @@ def prompt_sets_in(folder: str | Path) -> list[Path]:
     return found
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class AnswerReport:
+    """What one call of `answer_prompt_sets` did for one set."""
+
     name: str
+    """The set."""
     prompts: int
     """Prompts in the set that fit the generator."""
     answered: int
@@ -97,7 +100,9 @@ class AnswerReport:
     new_tokens: int
     """Tokens generated in this call."""
     seconds: float
+    """Wall time of this call for the set, compilation included."""
     tokens_per_s: float
+    """new_tokens over seconds."""
 
 
 def answer_prompt_sets(model, folder: str | Path, out: str | Path, batch_size: int = 256,
