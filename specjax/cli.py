@@ -783,9 +783,10 @@ def _distill_recipe(args):
 
 
 def cmd_train_drafter(args) -> int:
-    from specjax.train.recipe import train_drafter_recipe
+    from specjax.train.recipe import check_answer_options, train_drafter_recipe
 
     recipe = _distill_recipe(args)
+    check_answer_options(args.export_prompts, args.answers_from, args.answered_only)
     make_dir(args.out, "--out")
     _say_how_to_resume()
     summary = train_drafter_recipe(args.model, args.out, recipe, data_only=args.data_only,
@@ -1371,7 +1372,7 @@ def _add_answer_prompts_command(sub) -> None:
     ap.add_argument("--batch-size", type=int, default=256, help="rows decoded together (finished rows are refilled)")
     ap.add_argument("--time-limit", type=float, metavar="SECONDS",
                     help="start no prompt after this many seconds; rerun to answer the rest")
-    ap.add_argument("--compress", action="store_true", help="gzip the answers at the end (about a third the size)")
+    ap.add_argument("--compress", action="store_true", help="gzip the answers at the end (about a fifth the size)")
     ap.add_argument("--json", action="store_true")
     ap.set_defaults(func=cmd_answer_prompts)
 

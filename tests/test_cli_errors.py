@@ -291,3 +291,18 @@ def test_every_per_method_setting_in_the_registry_is_an_option():
         assert part.users(), part.describes
         missing = [dest for dest in part.settings if dest not in options]
         assert not missing, (part.describes, missing)
+
+
+def test_answer_options_are_checked_before_any_work(tmp_path, capsys, no_heavy_work):
+    out = tmp_path / "run"
+    refused(["train-drafter", "--out", str(out), "--export-prompts", str(tmp_path / "p"), "--answered-only"], capsys,
+            "--export-prompts", "--answered-only")
+    refused(["train-drafter", "--out", str(out), "--answers-from", str(tmp_path / "nowhere")], capsys,
+            "nowhere", "no such folder")
+    assert not out.exists()
+    refused(["answer-prompts", str(tmp_path), "--out", str(out)], capsys, "no *.prompts.npz")
+    refused(["answer-prompts", str(tmp_path), "--out", str(out), "--time-limit", "0"], capsys, "--time-limit")
+    refused(["answer-prompts", str(tmp_path), "--out", str(out), "--batch-size", "0"], capsys, "--batch-size")
+    (tmp_path / "x.prompts.npz").write_text("not a prompt set")
+    refused(["answer-prompts", str(tmp_path), "--out", str(out)], capsys, "x.prompts.npz", "not a prompt set")
+    assert not out.exists()

@@ -177,7 +177,7 @@ def _uncompress(path: Path) -> None:
 
 
 def compress_answers(folder: str | Path) -> list[Path]:
-    """Gzip every answers file in `folder` in place (about a third the size: what a lent machine
+    """Gzip every answers file in `folder` in place (about a fifth the size: what a lent machine
     sends back is limited)."""
     written = []
     for path in sorted(Path(folder).glob("*" + ANSWERS_SUFFIX)):

@@ -515,6 +515,15 @@ class _DataBuilder:
         return self._open(folder, build, "corpus data")
 
 
+def check_answer_options(export_prompts, answers_from, answered_only: bool) -> None:
+    """Refuse train_drafter_recipe's answer options in combinations that cannot work, before any work."""
+    if export_prompts is not None and (answers_from or answered_only):
+        raise SpecjaxError("--export-prompts writes the prompts to answer; --answers-from and --answered-only "
+                           "belong to the run after they are answered")
+    if answers_from is not None and not Path(answers_from).is_dir():
+        raise SpecjaxError(f"--answers-from {answers_from}: no such folder")
+
+
 def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRecipe = DistillRecipe(),
                          data_only: bool = False, export_prompts: str | Path | None = None,
                          answers_from: str | Path | None = None, answered_only: bool = False) -> dict:
@@ -531,14 +540,12 @@ def train_drafter_recipe(model_name: str, out_dir: str | Path, recipe: DistillRe
                                        train_drafter)
     from specjax.train.loop import LoopConfig, OptimizerConfig, read_metrics
 
+    check_answer_options(export_prompts, answers_from, answered_only)
     out_dir = Path(out_dir)
     model = load_model(model_name, recipe.dtype)
     config = DrafterConfig.for_target(model.config, num_layers=recipe.num_layers, block_size=recipe.block_size,
                                       num_taps=recipe.num_taps, anchor_path=recipe.anchor_path)
     write_recipe(out_dir, recipe)
-    if export_prompts is not None and (answers_from or answered_only):
-        raise SpecjaxError("--export-prompts writes the prompts to answer; --answers-from and --answered-only "
-                           "belong to the run after they are answered")
     if export_prompts is not None:
         build_data(model, recipe, out_dir / "data", config.target_layer_ids, export_to=Path(export_prompts))
         exported = sorted(p.name for p in Path(export_prompts).glob("*.prompts.npz"))
