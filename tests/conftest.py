@@ -26,7 +26,6 @@ import pytest  # noqa: E402
 # The reference is full float32; on GPUs JAX would otherwise use TF32 matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-
 # Seconds each test file's default-suite tests took on the 2-core EPYC (AVX2), summed from
 # `python -m pytest -m "not slow" -n auto --dist loadfile --durations 0 tests`, 2026-12-07 (535 tests,
 # 22:06 on two workers). Only the order matters: stale figures cost balance, never correctness.

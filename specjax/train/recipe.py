@@ -424,7 +424,8 @@ class _DataBuilder:
 
         ids = self._prompt_ids(prompts, folder, what, generator)
         path = self._answers_path(folder)
-        self._merge_answers_from(ids, folder, what)
+        if not self.answered_only:  # answered_only merged them already (_drop_if_more_answers)
+            self._merge_answers_from(ids, folder, what)
         answered = len(read_continuations(path))
         if self.answered_only:
             _log(f"{what}: built from the {answered} of {len(ids)} prompts answered so far (answered only)")
